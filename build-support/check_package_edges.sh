@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Proves the package-edge rules of DESIGN.md are enforced: every forbidden import below must make
+# `pants dependencies` fail, an allowed one must pass, and the clean tree must pass.
+# Probe files are written into the tree and always removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+probe_name="_edge_probe_$$.py"
+probes=()
+cleanup() { for f in "${probes[@]:-}"; do [[ -n "$f" ]] && rm -f "$f"; done; }
+trap cleanup EXIT
+
+check() {  # check <expect: deny|allow> <from_pkg> <import_module>
+  local expect="$1" from="$2" mod="$3" file="src/python/$2/${probe_name}"
+  echo "import ${mod}  # noqa: F401" > "${file}"
+  probes+=("${file}")
+  local out rc=0
+  out="$(./pants dependencies "${file}" 2>&1)" || rc=$?
+  rm -f "${file}"
+  if [[ "${expect}" == deny ]]; then
+    if [[ ${rc} -eq 0 ]] || ! grep -q "DependencyRuleActionDeniedError" <<<"${out}"; then
+      echo "FAIL: ${from} -> ${mod} was not rejected" >&2; echo "${out}" >&2; exit 1
+    fi
+    echo "ok: ${from} -> ${mod} rejected"
+  else
+    if [[ ${rc} -ne 0 ]]; then
+      echo "FAIL: allowed edge ${from} -> ${mod} was rejected" >&2; echo "${out}" >&2; exit 1
+    fi
+    echo "ok: ${from} -> ${mod} allowed"
+  fi
+}
+
+check deny hp_dtensor hp_tp
+check deny hp_dtensor hp_protocols
+check deny hp_tp hp_protocols
+check deny hp_tp hp_models
+check deny hp_protocols hp_tp
+check deny hp_protocols hyper_parallel
+check deny hp_models hyper_parallel
+check allow hp_tp hp_dtensor
+check allow hp_models hp_tp
+./pants dependencies :: >/dev/null
+echo "ok: the tree has no forbidden edge"

@@ -1,0 +1,97 @@
+"""``CommDebugMode``: count the collectives this library issues, by kind and by module.
+
+The platform's collective functions call ``record`` for every collective; a mode that is active
+(``with CommDebugMode() as comm:``) counts it.  Counts are what tests assert on: timings never are.
+Pure: no framework import.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, defaultdict
+from types import TracebackType
+from typing import Any
+
+_state = threading.local()
+
+
+def _modes() -> list[CommDebugMode]:
+    if not hasattr(_state, "modes"):
+        _state.modes = []
+        _state.module_stack = []
+    return _state.modes
+
+
+def _module_stack() -> list[str]:
+    _modes()
+    return _state.module_stack  # type: ignore[no-any-return]
+
+
+def record(kind: str, nbytes: int) -> None:
+    """Called by the platform for every collective it runs (kind: all_reduce, all_gather, ...)."""
+    modes = _modes()
+    if not modes:
+        return
+    stack = _module_stack()
+    fqn = stack[-1] if stack else None
+    for mode in modes:
+        mode._record(kind, nbytes, fqn)
+
+
+def push_module(fqn: str) -> None:
+    _module_stack().append(fqn)
+
+
+def pop_module(fqn: str) -> None:
+    stack = _module_stack()
+    if stack and stack[-1] == fqn:
+        stack.pop()
+
+
+class CommDebugMode:
+    """Context manager counting collectives by kind (``get_comm_counts``), total
+    (``get_total_counts``), bytes (``get_comm_bytes``) and, for modules attached with
+    ``track_module``, by the innermost running module's FQN (``get_comm_counts_by_module``)."""
+
+    def __init__(self) -> None:
+        self.comm_counts: Counter[str] = Counter()
+        self.comm_bytes: Counter[str] = Counter()
+        self.comm_module_counts: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def _record(self, kind: str, nbytes: int, fqn: str | None) -> None:
+        self.comm_counts[kind] += 1
+        self.comm_bytes[kind] += nbytes
+        if fqn is not None:
+            self.comm_module_counts[fqn][kind] += 1
+
+    def get_comm_counts(self) -> dict[str, int]:
+        return dict(self.comm_counts)
+
+    def get_total_counts(self) -> int:
+        return sum(self.comm_counts.values())
+
+    def get_comm_bytes(self) -> dict[str, int]:
+        return dict(self.comm_bytes)
+
+    def get_comm_counts_by_module(self) -> dict[str, dict[str, int]]:
+        return {k: dict(v) for k, v in self.comm_module_counts.items()}
+
+    def reset(self) -> None:
+        self.comm_counts.clear()
+        self.comm_bytes.clear()
+        self.comm_module_counts.clear()
+
+    def track_module(self, module: Any) -> None:
+        """Attribute collectives issued while a submodule's forward runs to its FQN."""
+        from hp_dtensor.platform import current
+
+        current().track_module_forward(module, push_module, pop_module)
+
+    def __enter__(self) -> CommDebugMode:
+        _modes().append(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _modes().remove(self)

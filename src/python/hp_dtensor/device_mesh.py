@@ -1,0 +1,181 @@
+"""``DeviceMesh``: an N-D grid of ranks with one process group per mesh dim.
+
+Topology comes from the pure ``MeshLayout``; process groups come from the platform, created
+collectively at construction (every rank creates every group, in the same order) and cached by
+their rank tuple, so slicing (``mesh["tp"]``) never issues a collective.  ``with mesh:`` makes a
+mesh current for code that takes ``device_mesh=None``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+from hp_dtensor.mesh_layout import MeshLayout
+from hp_dtensor.platform import current as _platform
+
+_ctx = threading.local()
+
+
+class DeviceMesh:
+    """A mesh of ranks.  ``mesh_shape``/``mesh`` as in ``torch.distributed.device_mesh``."""
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Sequence[Any] | Any,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        _layout: MeshLayout | None = None,
+        _init_groups: bool = True,
+    ) -> None:
+        plat = _platform()
+        self.device_type = device_type
+        if _layout is None:
+            shape, ranks = _shape_and_ranks(mesh)
+            _layout = MeshLayout(shape, ranks, tuple(mesh_dim_names) if mesh_dim_names else None)
+        self._layout = _layout
+        self._rank = plat.get_rank()
+        self._coord = _layout.coordinate_of(self._rank)
+        if _init_groups:
+            for dim in range(_layout.ndim):
+                for ranks in _layout.groups_along(dim):
+                    plat.get_or_create_group(ranks)
+
+    # ----- topology -----
+    @property
+    def ndim(self) -> int:
+        return self._layout.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._layout.dim_names
+
+    @property
+    def layout(self) -> MeshLayout:
+        return self._layout
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return self._layout.size if mesh_dim is None else self._layout.shape[mesh_dim]
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate in the mesh, or None when it is not part of it."""
+        return self._coord
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("get_local_rank() needs a mesh_dim on a mesh with more than one dim")
+            mesh_dim = 0
+        k = self._layout.dim_index(mesh_dim)
+        if self._coord is None:
+            raise RuntimeError(f"rank {self._rank} is not part of mesh {self._layout.ranks}")
+        return self._coord[k]
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any:
+        """The process group of this rank along ``mesh_dim``."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError("get_group() needs a mesh_dim on a mesh with more than one dim")
+            mesh_dim = 0
+        k = self._layout.dim_index(mesh_dim)
+        return _platform().get_or_create_group(self._layout.group_of(self._rank, k))
+
+    def group_ranks(self, mesh_dim: int) -> tuple[int, ...]:
+        return self._layout.group_of(self._rank, mesh_dim)
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str):
+            names = (names,)
+        if self.mesh_dim_names is None:
+            raise KeyError("this mesh has no mesh_dim_names; create it with mesh_dim_names=(...) to slice it")
+        dims = [self._layout.dim_index(n) for n in names]
+        if dims == list(range(self.ndim)):
+            return self
+        sub = self._layout.submesh(dims, self._rank)
+        return DeviceMesh(self.device_type, None, _layout=sub, _init_groups=False)
+
+    # ----- identity -----
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._layout == other._layout
+
+    def __hash__(self) -> int:
+        return hash(self._layout)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', shape={self.shape}, ranks={list(self._layout.ranks)}{names})"
+
+    # ----- current mesh -----
+    def __enter__(self) -> DeviceMesh:
+        _stack().append(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _stack().pop()
+
+
+def _stack() -> list[DeviceMesh]:
+    if not hasattr(_ctx, "stack"):
+        _ctx.stack = []
+    return _ctx.stack  # type: ignore[no-any-return]
+
+
+def get_current_mesh() -> DeviceMesh | None:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _shape_and_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Accept a nested list / array-like of ranks."""
+    if hasattr(mesh, "tolist"):
+        mesh = mesh.tolist()
+    shape: list[int] = []
+    level = mesh
+    while isinstance(level, (list, tuple)):
+        shape.append(len(level))
+        level = level[0] if level else None
+    flat: list[int] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        else:
+            flat.append(int(x))
+
+    walk(mesh)
+    return tuple(shape), tuple(flat)
+
+
+def init_device_mesh(
+    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+) -> DeviceMesh:
+    """Create a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major).
+
+    Starts the default process group from the launcher's environment (torchrun) when none exists.
+    ``device_type``: "cpu" (gloo), "cuda" (nccl), "npu" (hccl through torch_npu).
+    """
+    shape = tuple(int(s) for s in mesh_shape)
+    plat = _platform()
+    plat.ensure_process_group(device_type)
+    world = plat.get_world_size()
+    layout = MeshLayout.contiguous(shape, mesh_dim_names)
+    if layout.size != world:
+        raise ValueError(
+            f"mesh_shape {shape} needs {layout.size} ranks but the world has {world}; "
+            f"make the product of mesh_shape equal the number of launched ranks"
+        )
+    return DeviceMesh(device_type, None, _layout=layout)

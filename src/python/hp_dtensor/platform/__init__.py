@@ -1,0 +1,49 @@
+"""The platform layer: the only code that imports a framework.
+
+``current()`` returns the backend module selected by ``HYPER_PARALLEL_PLATFORM`` (``torch`` or
+``mindspore``), else the installed framework (torch first).  Everything framework-specific the
+core needs -- process groups, collectives, the DTensor tensor subclass and its op dispatch,
+modules and hooks -- is reached through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from functools import lru_cache
+from types import ModuleType
+
+_KNOWN = ("torch", "mindspore")
+
+
+def platform_name() -> str:
+    """Name of the selected framework; raises ``ImportError`` saying what to install."""
+    name = os.environ.get("HYPER_PARALLEL_PLATFORM", "").strip().lower()
+    if name:
+        if name not in _KNOWN:
+            raise ValueError(f"HYPER_PARALLEL_PLATFORM={name!r} is not one of {_KNOWN}")
+        if importlib.util.find_spec(name) is None:
+            raise ImportError(
+                f"HYPER_PARALLEL_PLATFORM={name} but {name} is not installed; "
+                f"install it (pip install torch==2.13.0 / mindspore==2.10.0) or unset the variable"
+            )
+        return name
+    for candidate in _KNOWN:
+        if importlib.util.find_spec(candidate) is not None:
+            return candidate
+    raise ImportError(
+        "hyper-parallel needs a framework: install torch (pip install torch==2.13.0) "
+        "or mindspore (pip install mindspore==2.10.0)"
+    )
+
+
+@lru_cache(maxsize=1)
+def current() -> ModuleType:
+    """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``)."""
+    name = platform_name()
+    if name == "mindspore":
+        raise NotImplementedError(
+            "the MindSpore backend is not available yet; set HYPER_PARALLEL_PLATFORM=torch"
+        )
+    return importlib.import_module(f"hp_dtensor.platform.{name}")

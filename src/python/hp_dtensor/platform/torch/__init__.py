@@ -1,0 +1,48 @@
+"""The torch backend of the platform layer."""
+
+from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
+from hp_dtensor.platform.torch.modules import (
+    Module,
+    Parameter,
+    direct_buffers,
+    direct_params,
+    is_embedding_module,
+    is_linear_module,
+    is_module,
+    is_tensor,
+    named_children,
+    named_modules,
+    register_forward_hook,
+    register_forward_pre_hook,
+    set_buffer,
+    set_param,
+    track_module_forward,
+)
+from hp_dtensor.platform.torch.process_group import (
+    destroy,
+    ensure_process_group,
+    get_or_create_group,
+    get_rank,
+    get_world_size,
+    init_fake,
+    init_with_file_store,
+    is_initialized,
+)
+
+NAME = "torch"
+
+
+def set_num_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+__all__ = [
+    "NAME", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "Parameter", "direct_buffers",
+    "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
+    "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param",
+    "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
+    "get_world_size", "init_fake", "init_with_file_store", "is_initialized", "set_num_threads",
+]

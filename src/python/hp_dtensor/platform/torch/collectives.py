@@ -1,0 +1,82 @@
+"""Collectives on local tensors along one mesh dim (no autograd; callers provide duals).
+
+Every function records itself in ``CommDebugMode``.  ``avg`` is not a gloo reduce op, so it is a
+sum followed by a division.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_dtensor.comm_debug import record
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, op: str, group: Any, n: int) -> torch.Tensor:
+    out = t.contiguous().clone()
+    record("all_reduce", _nbytes(out))
+    dist.all_reduce(out, op=_OPS[op], group=group)
+    if op == "avg":
+        out.div_(n)
+    return out
+
+
+def all_gather(t: torch.Tensor, dim: int, group: Any, n: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` in group order."""
+    t = t.contiguous()
+    buf = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
+    record("all_gather", _nbytes(t) * n)
+    dist.all_gather_single(buf, t if t.ndim else t.reshape(1), group=group)
+    if dim == 0 or t.ndim == 0:
+        return buf
+    return buf.view((n,) + tuple(t.shape)).movedim(0, dim).reshape(
+        tuple(t.shape[:dim]) + (n * t.shape[dim],) + tuple(t.shape[dim + 1 :])
+    )
+
+
+def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int) -> torch.Tensor:
+    """Reduce ``t`` over the group and keep chunk ``coordinate`` of ``dim``."""
+    moved = t.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
+    record("reduce_scatter", _nbytes(moved))
+    dist.reduce_scatter_single(out, moved, op=_OPS[op], group=group)
+    if op == "avg":
+        out.div_(n)
+    return out.movedim(0, dim)
+
+
+def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int) -> torch.Tensor:
+    """Shard(concat_dim) -> Shard(split_dim): send chunk r of ``split_dim`` to rank r, concatenate
+    what arrives along ``concat_dim``."""
+    send = torch.stack(t.chunk(n, dim=split_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    record("all_to_all", _nbytes(send))
+    dist.all_to_all_single(recv, send, group=group)
+    shape = list(recv.shape[1:])
+    moved = recv.movedim(0, concat_dim)
+    shape[concat_dim] *= n
+    return moved.reshape(shape)
+
+
+def broadcast(t: torch.Tensor, src_global_rank: int, group: Any) -> torch.Tensor:
+    out = t.contiguous().clone()
+    record("broadcast", _nbytes(out))
+    dist.broadcast(out, src=src_global_rank, group=group)
+    return out
+
+
+def scatter(
+    chunks: list[torch.Tensor] | None, out_like: torch.Tensor, src_global_rank: int, group: Any
+) -> torch.Tensor:
+    out = torch.empty_like(out_like).contiguous()
+    record("scatter", _nbytes(out))
+    dist.scatter(out, [c.contiguous() for c in chunks] if chunks is not None else None, src=src_global_rank, group=group)
+    return out

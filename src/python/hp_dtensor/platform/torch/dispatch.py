@@ -1,0 +1,224 @@
+"""Op dispatch for torch DTensors: aten op -> sharding rule -> local op.
+
+Decisions are cached per (op, input specs, other arguments), so the steady state of an op is a
+dictionary look-up, the input redistributions the decision asks for, the local op and the wrap.
+An op without a rule replicates its inputs (correct, slower) and warns once naming the op.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from hp_dtensor.placement_types import Placement, Replicate, Shard
+from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
+from hp_dtensor.platform.torch.redistribute import redistribute_local
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+
+aten = torch.ops.aten
+
+Rule = Callable[[OpCall], Decision]
+RULES: dict[Any, Rule] = {}
+KERNELS: dict[str, Callable[..., Any]] = {}
+_cache: dict[Any, tuple[Decision, bool]] = {}
+_warned: set[str] = set()
+_CACHE_LIMIT = 16384
+
+
+def register(*ops: Any) -> Callable[[Rule], Rule]:
+    def deco(rule: Rule) -> Rule:
+        for op in ops:
+            RULES[op] = rule
+        return rule
+
+    return deco
+
+
+def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        KERNELS[name] = fn
+        return fn
+
+    return deco
+
+
+def _find_rule(func: Any) -> Rule | None:
+    rule = RULES.get(func)
+    if rule is None:
+        rule = RULES.get(func.overloadpacket)
+    return rule
+
+
+def _fallback_rule(call: OpCall) -> Decision:
+    rep = tuple(Replicate() for _ in call.mesh_shape)
+    return Decision(tuple(rep for _ in call.tensors()), (rep,))
+
+
+def _is_inplace(func: Any) -> bool:
+    schema = func._schema
+    return bool(schema.arguments) and schema.arguments[0].alias_info is not None and schema.arguments[
+        0
+    ].alias_info.is_write and not schema.name.endswith("_out")
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if func._schema.name.startswith("aten::_foreach_"):
+        return _dispatch_foreach(func, args, kwargs)
+    return _dispatch_one(func, args, kwargs)
+
+
+def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    flat, treespec = pytree.tree_flatten((args, kwargs))
+    mesh = None
+    key_parts: list[Any] = [func]
+    for leaf in flat:
+        if isinstance(leaf, DTensor):
+            spec = leaf._spec
+            if mesh is None:
+                mesh = spec.mesh
+            elif spec.mesh != mesh:
+                raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
+            key_parts.append((spec.placements, spec.shape))
+        elif isinstance(leaf, torch.Tensor):
+            if leaf.ndim != 0:
+                raise RuntimeError(
+                    f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
+                    f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
+                )
+            key_parts.append("scalar-tensor")
+        else:
+            key_parts.append(leaf)
+    assert mesh is not None
+    try:
+        key: Any = tuple(key_parts)
+        hash(key)
+    except TypeError:
+        key = None
+    cached = _cache.get(key) if key is not None else None
+    if cached is None:
+        cached = _decide(func, flat, treespec, mesh)
+        if key is not None:
+            if len(_cache) > _CACHE_LIMIT:
+                _cache.clear()
+            _cache[key] = cached
+    decision, is_fallback = cached
+    return _run(func, flat, treespec, mesh, decision, is_fallback, args)
+
+
+def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
+    infos = [
+        TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf for leaf in flat
+    ]
+    args, kwargs = pytree.tree_unflatten(infos, treespec)
+    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
+    rule = _find_rule(func)
+    if rule is None:
+        if str(func) not in _warned:
+            _warned.add(str(func))
+            warnings.warn(
+                f"DTensor: no sharding rule for {func}; replicating its inputs (correct but slow)",
+                stacklevel=3,
+            )
+        return _fallback_rule(call), True
+    return rule(call), False
+
+
+def _run(
+    func: Any, flat: list[Any], treespec: Any, mesh: Any, decision: Decision, is_fallback: bool, args: Any
+) -> Any:
+    inplace = _is_inplace(func)
+    locals_: list[Any] = []
+    i = 0
+    self_redistributed = False
+    for leaf in flat:
+        if isinstance(leaf, DTensor):
+            spec = leaf._spec
+            target = decision.inputs[i]
+            local = leaf._local_tensor
+            if target is not None and target != spec.placements:
+                local = redistribute_local(local, mesh, spec.shape, spec.placements, target)
+                if i == 0 and inplace:
+                    self_redistributed = True
+            locals_.append(local)
+            i += 1
+        else:
+            locals_.append(leaf)
+    if decision.args is not None or decision.kwargs is not None:
+        new_flat, _ = pytree.tree_flatten(
+            (decision.args if decision.args is not None else (), decision.kwargs or {})
+        )
+        rebuilt: list[Any] = []
+        orig_args, orig_kwargs = pytree.tree_unflatten(locals_, treespec)
+        # Tensors keep their (redistributed) locals; other leaves come from the decision.
+        tensors = [x for x in locals_ if isinstance(x, torch.Tensor)]
+        t_iter = iter(tensors)
+        for leaf in new_flat:
+            rebuilt.append(next(t_iter) if isinstance(leaf, TensorInfo) else leaf)
+        _, new_spec = pytree.tree_flatten(
+            (decision.args if decision.args is not None else orig_args, decision.kwargs or orig_kwargs)
+        )
+        local_args, local_kwargs = pytree.tree_unflatten(rebuilt, new_spec)
+    else:
+        local_args, local_kwargs = pytree.tree_unflatten(locals_, treespec)
+    if decision.kernel is not None:
+        out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
+    else:
+        out = func(*local_args, **local_kwargs)
+    if inplace:
+        self_dt = args[0]
+        if isinstance(self_dt, (list, tuple)):
+            self_dt = self_dt[0]
+        if self_redistributed:
+            if not is_fallback:
+                raise RuntimeError(f"{func}: in-place op would need to redistribute its self argument")
+            spec = self_dt._spec
+            rep = decision.inputs[0]
+            assert rep is not None
+            new_local = redistribute_local(out, mesh, spec.shape, rep, spec.placements)
+            self_dt._local_tensor.copy_(new_local)
+        return self_dt
+    return _wrap(out, mesh, decision)
+
+
+def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
+    flat, spec = pytree.tree_flatten(out)
+    res = []
+    j = 0
+    outs = decision.outputs
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            pl = outs[min(j, len(outs) - 1)] if outs else None
+            j += 1
+            if pl is None:
+                res.append(leaf)
+                continue
+            glob = list(leaf.shape)
+            for k, p in enumerate(pl):
+                if isinstance(p, Shard):
+                    glob[p.dim] *= mesh.shape[k]
+            res.append(DTensor(leaf, DTensorSpec(mesh, pl, tuple(glob))))
+        else:
+            if leaf is None:
+                j += 1
+            res.append(leaf)
+    return pytree.tree_unflatten(res, spec)
+
+
+def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Foreach ops run element by element through the same rules (one list entry at a time)."""
+    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+    results: list[Any] = []
+    for i in range(n):
+        sub = tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
+        results.append(_dispatch_one(func, sub, kwargs))
+    if _is_inplace(func) or results[0] is None:
+        return None
+    return [r[0] for r in results]
+
+
+def placements_of(t: Any) -> tuple[Placement, ...] | None:
+    return t._spec.placements if isinstance(t, DTensor) else None

@@ -1,0 +1,70 @@
+"""Module-level hooks and type checks the styles and ``distribute_module`` use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+Module = nn.Module
+Parameter = nn.Parameter
+
+
+def is_module(obj: Any) -> bool:
+    return isinstance(obj, nn.Module)
+
+
+def is_linear_module(m: Any) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def is_embedding_module(m: Any) -> bool:
+    return isinstance(m, nn.Embedding)
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def named_children(m: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    return m.named_children()
+
+
+def named_modules(m: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    return m.named_modules()
+
+
+def direct_params(m: nn.Module) -> list[tuple[str, Any]]:
+    return list(m._parameters.items())
+
+
+def direct_buffers(m: nn.Module) -> list[tuple[str, Any]]:
+    return list(m._buffers.items())
+
+
+def set_param(m: nn.Module, name: str, value: Any) -> None:
+    """Replace parameter ``name`` by ``value`` (a DTensor), keeping requires_grad."""
+    old = m._parameters[name]
+    requires_grad = old.requires_grad if old is not None else True
+    m.register_parameter(name, nn.Parameter(value, requires_grad=requires_grad))
+
+
+def set_buffer(m: nn.Module, name: str, value: Any) -> None:
+    m._buffers[name] = value
+
+
+def register_forward_pre_hook(m: nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> Any:
+    return m.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+
+
+def register_forward_hook(m: nn.Module, hook: Callable[..., Any]) -> Any:
+    return m.register_forward_hook(hook)
+
+
+def track_module_forward(root: nn.Module, push: Callable[[str], None], pop: Callable[[str], None]) -> None:
+    for fqn, sub in root.named_modules():
+        name = fqn or "<root>"
+        sub.register_forward_pre_hook(lambda _m, _a, _n=name: push(_n))
+        sub.register_forward_hook(lambda _m, _a, _o, _n=name: pop(_n))

@@ -1,0 +1,267 @@
+"""Which sharding rule each aten op uses (importing this module registers them).
+
+The rules themselves live in ``hp_dtensor.sharding`` and know nothing about torch; this table is
+the torch-specific half: op names, argument positions, and the local kernels some rules need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_dtensor.placement_types import Partial, Replicate, Shard
+from hp_dtensor.platform.torch.dispatch import kernel, register
+from hp_dtensor.shard_geometry import local_shape
+from hp_dtensor.sharding.attention import sdpa_rule
+from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule
+from hp_dtensor.sharding.loss import nll_loss_backward_rule, nll_loss_rule
+from hp_dtensor.sharding.matrix import einsum_rule
+from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.pointwise import pointwise_rule
+from hp_dtensor.sharding.reductions import reduction_rule
+from hp_dtensor.sharding.views import (
+    cat_rule,
+    dim_preserving_rule,
+    expand_rule,
+    permute_rule,
+    select_rule,
+    squeeze_rule,
+    transpose_rule,
+    unsqueeze_rule,
+    view_rule,
+)
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------- pointwise
+_ADD_LIKE = [aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.copy_.default]
+_MUL_LIKE = [
+    aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar, aten.div_.Scalar,
+    aten.neg.default, aten.neg_.default, aten.clone.default, aten.detach.default, aten.alias.default,
+    aten._to_copy.default, aten.zero_.default, aten.view_as_real.default, aten.view_as_complex.default,
+]
+_DIV_LIKE = [aten.div.Tensor, aten.div_.Tensor]
+_NONLINEAR = [
+    aten.add.Scalar, aten.add_.Scalar, aten.sub.Scalar, aten.sub_.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+    aten.exp.default, aten.exp_.default, aten.log.default, aten.sqrt.default, aten.sqrt_.default,
+    aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.pow_.Scalar,
+    aten.silu.default, aten.silu_.default, aten.silu_backward.default, aten.gelu.default,
+    aten.gelu_backward.default, aten.sigmoid.default, aten.sigmoid_.default, aten.sigmoid_backward.default,
+    aten.tanh.default, aten.tanh_backward.default, aten.relu.default, aten.relu_.default,
+    aten.threshold_backward.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.masked_fill_.Scalar, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+    aten.lt.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar, aten.logical_not.default,
+    aten.logical_and.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default,
+    aten.maximum.default, aten.minimum.default, aten.lerp.Scalar, aten.lerp_.Scalar, aten.lerp_.Tensor,
+    aten.addcmul.default, aten.addcmul_.default, aten.addcdiv.default, aten.addcdiv_.default,
+    aten.reciprocal.default, aten.sign.default, aten.sin.default, aten.cos.default, aten.erf.default,
+    aten.softplus.default, aten.softplus_backward.default, aten.log1p.default, aten.expm1.default,
+    aten.fill_.Scalar, aten.native_dropout_backward.default, aten.isnan.default, aten.isinf.default,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.sqrt.default, aten.exp2.default,
+    aten.elu.default, aten.leaky_relu.default, aten.hardtanh.default, aten.clamp_max.default,
+]
+_LIKE_FACTORIES = [
+    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default,
+]
+
+
+def _pw(linearity: str | None, n_outputs: int = 1) -> Any:
+    def rule(call: OpCall) -> Decision:
+        inplace = call.name.split(".")[1].endswith("_")
+        return pointwise_rule(call, linearity=linearity, inplace=inplace, n_outputs=n_outputs)
+
+    return rule
+
+
+register(*_ADD_LIKE)(_pw("add"))
+register(*_MUL_LIKE)(_pw("mul"))
+register(*_DIV_LIKE)(_pw("div"))
+register(*_NONLINEAR)(_pw(None))
+register(aten.native_dropout.default)(_pw(None, n_outputs=2))
+
+
+@register(*_LIKE_FACTORIES)
+def _like_factory(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
+    return Decision((t.placements,), (out,))
+
+
+@register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+          aten.new_empty_strided.default)
+def _new_factory(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    size = tuple(call.args[1])
+    if size == t.shape:
+        out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
+    else:
+        out = tuple(Replicate() for _ in t.placements)
+    loc = list(local_shape(size, call.mesh_shape, out))
+    args = list(call.args)
+    args[1] = loc
+    if call.name.startswith("aten.new_empty_strided"):
+        strides = [1] * len(loc)
+        for i in range(len(loc) - 2, -1, -1):
+            strides[i] = strides[i + 1] * max(loc[i + 1], 1)
+        args[2] = strides
+    return Decision((t.placements,), (out,), args=tuple(args))
+
+
+# ---------------------------------------------------------------- matrix products
+register(aten.mm.default)(lambda c: einsum_rule(c, "mk,kn->mn"))
+register(aten.bmm.default)(lambda c: einsum_rule(c, "bmk,bkn->bmn"))
+register(aten.addmm.default)(lambda c: einsum_rule(c, "mk,kn->mn", has_bias=True))
+register(aten.baddbmm.default)(lambda c: einsum_rule(c, "bmk,bkn->bmn", has_bias=True))
+register(aten.mv.default)(lambda c: einsum_rule(c, "mk,k->m"))
+register(aten.dot.default)(lambda c: einsum_rule(c, "k,k->"))
+
+# ---------------------------------------------------------------- views
+register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(lambda c: view_rule(c))
+register(aten.t.default, aten.transpose.int)(transpose_rule)
+register(aten.permute.default)(lambda c: permute_rule(c, c.args[1]))
+register(aten.unsqueeze.default)(unsqueeze_rule)
+register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)(squeeze_rule)
+register(aten.expand.default)(expand_rule)
+register(aten.select.int)(select_rule)
+register(aten.cat.default)(cat_rule)
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    dim_pos = 1 if call.name.startswith("aten.unbind") else 2
+    dim = call.args[dim_pos] if len(call.args) > dim_pos else call.kwargs.get("dim", 0)
+    d = dim % t.ndim
+    dec = dim_preserving_rule(call, [dim])
+    if call.name.startswith("aten.unbind"):
+        req = dec.inputs[0]
+        assert req is not None
+        out = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > d else p for p in req)
+        return Decision(dec.inputs, (out,))
+    return dec
+
+
+@register(aten.slice.Tensor)
+def _slice(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    dim = call.args[1] if len(call.args) > 1 else 0
+    start = call.args[2] if len(call.args) > 2 else None
+    end = call.args[3] if len(call.args) > 3 else None
+    step = call.args[4] if len(call.args) > 4 else 1
+    d = dim % t.ndim
+    if (start in (None, 0)) and (end is None or end >= t.shape[d]) and step == 1:
+        return Decision((t.placements,), (t.placements,))  # full slice: a no-op view
+    return dim_preserving_rule(call, [dim])
+
+
+@register(aten.stack.default)
+def _stack(call: OpCall) -> Decision:
+    tensors: list[TensorInfo] = list(call.args[0])
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
+    d = dim % (tensors[0].ndim + 1)
+    req = tuple(p if isinstance(p, (Shard, Replicate)) else Replicate() for p in tensors[0].placements)
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in req)
+    return Decision(tuple(req for _ in tensors), (out,))
+
+
+# ---------------------------------------------------------------- reductions
+def _dims_arg(call: OpCall, pos: int) -> list[int] | None:
+    if len(call.args) > pos:
+        v = call.args[pos]
+    else:
+        v = call.kwargs.get("dim")
+    if v is None:
+        return None
+    return [v] if isinstance(v, int) else list(v)
+
+
+def _keepdim(call: OpCall, pos: int) -> bool:
+    return bool(call.args[pos]) if len(call.args) > pos else bool(call.kwargs.get("keepdim", False))
+
+
+register(aten.sum.default)(lambda c: reduction_rule(c, "sum", None, False))
+register(aten.sum.dim_IntList)(lambda c: reduction_rule(c, "sum", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.mean.default)(lambda c: reduction_rule(c, "mean", None, False))
+register(aten.mean.dim)(lambda c: reduction_rule(c, "mean", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.amax.default)(lambda c: reduction_rule(c, "amax", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.amin.default)(lambda c: reduction_rule(c, "amin", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.max.default)(lambda c: reduction_rule(c, "amax", None, False))
+register(aten.min.default)(lambda c: reduction_rule(c, "amin", None, False))
+register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
+register(aten.min.dim)(lambda c: reduction_rule(c, "min_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
+register(aten.argmax.default)(lambda c: reduction_rule(c, "argmax", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.linalg_vector_norm.default)(
+    lambda c: reduction_rule(c, "norm", _dims_arg(c, 2), _keepdim(c, 3))
+)
+
+# ---------------------------------------------------------------- norms and softmax
+register(aten.native_layer_norm.default)(lambda c: layer_norm_rule(c, len(c.args[1])))
+register(aten.native_layer_norm_backward.default)(
+    lambda c: layer_norm_backward_rule(c, len(c.args[2]), list(c.args[7]))
+)
+register(aten._softmax.default, aten._log_softmax.default)(lambda c: softmax_rule(c, c.args[1]))
+register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)(
+    lambda c: softmax_rule(c, c.args[2])
+)
+
+# ---------------------------------------------------------------- attention
+register(aten._scaled_dot_product_flash_attention_for_cpu.default)(lambda c: sdpa_rule(c, 3, 2))
+register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(lambda c: sdpa_rule(c, 6, 3))
+
+# ---------------------------------------------------------------- embedding
+register(aten.embedding.default)(embedding_rule)
+register(aten.embedding_dense_backward.default)(lambda c: embedding_backward_rule(c, ()))
+
+
+@kernel("masked_embedding")
+def _masked_embedding(mesh: Any, decision: Decision, weight: torch.Tensor, indices: torch.Tensor,
+                      *rest: Any, **kw: Any) -> torch.Tensor:
+    """Look up the ids in this rank's vocab rows; others give zero rows (output is Partial sum)."""
+    wpl = decision.inputs[0]
+    assert wpl is not None
+    coord = mesh.get_coordinate()
+    k = next(i for i, p in enumerate(wpl) if isinstance(p, Shard) and p.dim == 0)
+    rows = weight.shape[0]
+    start = coord[k] * rows
+    local_ids = indices - start
+    outside = (local_ids < 0) | (local_ids >= rows)
+    out = torch.nn.functional.embedding(local_ids.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0)
+
+
+# ---------------------------------------------------------------- loss
+def _nll_reduction(call: OpCall, pos: int) -> int:
+    return int(call.args[pos]) if len(call.args) > pos else int(call.kwargs.get("reduction", 1))
+
+
+register(aten.nll_loss_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
+register(aten.nll_loss_backward.default)(lambda c: nll_loss_backward_rule(c, _nll_reduction(c, 4)))
+register(aten.nll_loss2d_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
+
+
+# ---------------------------------------------------------------- misc
+@register(aten.is_same_size.default, aten.equal.default)
+def _compare(call: OpCall) -> Decision:
+    infos = call.tensors()
+    return Decision(tuple(infos[0].placements for _ in infos), ())
+
+
+def _foreach_rule(linearity: str | None) -> Any:
+    def rule(call: OpCall) -> Decision:
+        inplace = call.name.split(".")[1].endswith("_")
+        return pointwise_rule(call, linearity=linearity, inplace=inplace)
+
+    return rule
+
+
+for _name in dir(aten):
+    if _name.startswith("_foreach_"):
+        _packet = getattr(aten, _name)
+        _base = _name[len("_foreach_"):].rstrip("_")
+        _lin: str | None = {"add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add",
+                            "zero": "mul", "neg": "mul"}.get(_base)
+        register(_packet)(_foreach_rule(_lin))
+

@@ -1,0 +1,89 @@
+"""Process groups on torch.distributed: default group start-up and a cache of subgroups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_groups: dict[tuple[int, ...], Any] = {}
+
+
+def backend_for(device_type: str) -> str:
+    if device_type not in _BACKEND_OF_DEVICE:
+        raise ValueError(f"device_type {device_type!r} is not one of {sorted(_BACKEND_OF_DEVICE)}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device_type='cuda' but torch has no CUDA device; install a CUDA build of torch or use 'cpu'")
+    if device_type == "npu":
+        try:
+            import torch_npu  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                "device_type='npu' needs torch_npu with Ascend's CANN toolkit installed"
+            ) from e
+    return _BACKEND_OF_DEVICE[device_type]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def ensure_process_group(device_type: str) -> None:
+    """Start the default group from torchrun's environment when none exists."""
+    if is_initialized():
+        return
+    backend = backend_for(device_type)
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in needed if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"no default process group and the launcher variables {missing} are not set; "
+            f"launch with torchrun or call torch.distributed.init_process_group first"
+        )
+    dist.init_process_group(backend)
+
+
+def init_with_file_store(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Start the default group on a FileStore (no TCP rendezvous port to collide on)."""
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def init_fake(rank: int, world_size: int) -> None:
+    """The 'fake' backend: collectives return without moving data (geometry tests)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def destroy() -> None:
+    _groups.clear()
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_or_create_group(ranks: tuple[int, ...]) -> Any:
+    """The group over ``ranks``; creating one is collective over the default group."""
+    if not is_initialized():
+        raise RuntimeError("no process group: call init_device_mesh (or init_process_group) first")
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    group = _groups.get(ranks)
+    if group is None:
+        group = dist.new_group(list(ranks))
+        _groups[ranks] = group
+    return group

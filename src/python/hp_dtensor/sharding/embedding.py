@@ -1,0 +1,75 @@
+"""Embedding lookup with a sharded table.
+
+* table ``Shard(1)`` (embedding dim, ColwiseParallel): each rank looks up its columns; the output
+  is sharded on its last dim.
+* table ``Shard(0)`` (vocab, RowwiseParallel): each rank looks up the ids in its row range and
+  writes zeros elsewhere (the ``masked_embedding`` kernel); the output is ``Partial("sum")``.
+  Its backward (``masked_embedding_backward``) scatters only the rank's own rows.
+* indices may be sharded on any dim when the table is replicated.
+"""
+
+from __future__ import annotations
+
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+
+
+def embedding_rule(call: OpCall) -> Decision:
+    """embedding(weight, indices, ...)."""
+    weight: TensorInfo = call.args[0]
+    idx: TensorInfo = call.args[1]
+    out_ndim = idx.ndim + 1
+    req_w: list[Placement] = []
+    req_i: list[Placement] = []
+    out: list[Placement] = []
+    kernel = None
+    for k, p in enumerate(weight.placements):
+        ip = idx.placements[k]
+        if isinstance(p, Shard) and p.dim == 1:
+            req_w.append(p)
+            req_i.append(Replicate())
+            out.append(Shard(out_ndim - 1))
+        elif isinstance(p, Shard) and p.dim == 0:
+            req_w.append(p)
+            req_i.append(Replicate())
+            out.append(Partial("sum"))
+            kernel = "masked_embedding"
+        else:
+            req_w.append(Replicate())
+            keep = isinstance(ip, Shard)
+            req_i.append(ip if keep else Replicate())
+            out.append(ip if keep else Replicate())
+    if kernel is not None and sum(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) > 1:
+        raise NotImplementedError("a vocab-sharded embedding table on more than one mesh dim is not supported")
+    return Decision((tuple(req_w), tuple(req_i)), (tuple(out),), kernel=kernel)
+
+
+def embedding_backward_rule(call: OpCall, weight_placements: tuple[Placement, ...]) -> Decision:
+    """embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad).
+
+    ``weight_placements`` is the table's forward placement, recovered from the grad's shape: the
+    caller passes Shard(1) when the grad is sharded on its last dim, else the rule decides."""
+    grad: TensorInfo = call.args[0]
+    idx: TensorInfo = call.args[1]
+    req_g: list[Placement] = []
+    req_i: list[Placement] = []
+    out: list[Placement] = []
+    for k, gp in enumerate(grad.placements):
+        ip = idx.placements[k]
+        if isinstance(gp, Shard) and gp.dim == grad.ndim - 1:
+            req_g.append(gp)
+            req_i.append(Replicate())
+            out.append(Shard(1))
+        elif isinstance(gp, Shard) and isinstance(ip, Shard) and gp.dim == ip.dim:
+            req_g.append(gp)
+            req_i.append(ip)
+            out.append(Partial("sum"))
+        elif isinstance(gp, Partial):
+            req_g.append(gp)
+            req_i.append(Replicate())
+            out.append(gp)
+        else:
+            req_g.append(Replicate())
+            req_i.append(Replicate())
+            out.append(Replicate())
+    return Decision((tuple(req_g), tuple(req_i)), (tuple(out),))

@@ -1,0 +1,63 @@
+"""Matrix products (mm, bmm, addmm, baddbmm) from their einsum equations.
+
+Per mesh dim the candidates are: shard any free or batch label (inputs that carry it shard it,
+the rest replicate), shard the contracted label in both inputs (output ``Partial("sum")``),
+one ``Partial`` input with the rest replicated (the product is linear in each factor), or all
+replicated.  The cheapest by the planner's cost model wins.
+"""
+
+from __future__ import annotations
+
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.sharding.op_call import Decision, OpCall, cheapest, per_mesh_dim
+from hp_dtensor.sharding.pointwise import _follow
+
+
+def _einsum_candidates(
+    inputs: list[str], output: str, cur: list[Placement]
+) -> list[tuple[list[Placement], Placement]]:
+    labels = sorted(set("".join(inputs)), key=lambda c: ("".join(inputs)).index(c))
+    cands: list[tuple[list[Placement], Placement]] = []
+    for lab in labels:
+        if lab in output:
+            req: list[Placement] = [Shard(s.index(lab)) if lab in s else Replicate() for s in inputs]
+            cands.append((req, Shard(output.index(lab))))
+        elif all(lab in s for s in inputs):
+            cands.append(([Shard(s.index(lab)) for s in inputs], Partial("sum")))
+    for i, p in enumerate(cur):
+        if isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+            req = [Replicate() for _ in inputs]
+            req[i] = p
+            cands.append((req, p))
+    cands.append(([Replicate() for _ in inputs], Replicate()))
+    # Prefer candidates that keep the current input placements (stable, cheaper plans first).
+    return cands
+
+
+def einsum_rule(call: OpCall, equation: str, *, has_bias: bool = False) -> Decision:
+    lhs, output = equation.split("->")
+    inputs = lhs.split(",")
+    infos = call.tensors()
+    factors = infos[1:] if has_bias else infos
+    out_shape = tuple(
+        next(f.shape[s.index(c)] for f, s in zip(factors, inputs) if c in s) for c in output
+    )
+    numels = [t.numel for t in infos]
+
+    def choose(k: int, cur: list[Placement]) -> tuple[list[Placement], list[Placement]]:
+        fac_cur = cur[1:] if has_bias else cur
+        cands = []
+        for req, out in _einsum_candidates(inputs, output, fac_cur):
+            if has_bias:
+                bias = infos[0]
+                if isinstance(out, Shard):
+                    bias_p = _follow(bias, out.dim, len(output), out_shape)
+                elif isinstance(out, Partial):
+                    bias_p = out
+                else:
+                    bias_p = Replicate()
+                req = [bias_p] + req
+            cands.append((req, [out]))
+        return cheapest(cands, cur, numels, call.mesh_shape[k])
+
+    return per_mesh_dim(call, choose, 1)

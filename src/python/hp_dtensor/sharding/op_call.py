@@ -1,0 +1,128 @@
+"""The two values every sharding rule works on: what came in, what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hp_dtensor.placement_types import Placement, Replicate
+from hp_dtensor.redistribute_planner import _step_cost, _step_kind
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A DTensor argument as rules see it: global shape and placements (one per mesh dim)."""
+
+    shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op call: ``args``/``kwargs`` with ``TensorInfo`` in place of each DTensor."""
+
+    name: str
+    mesh_shape: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[TensorInfo]:
+        """The DTensor arguments in flat order (args then kwargs, lists flattened)."""
+        out: list[TensorInfo] = []
+
+        def visit(x: Any) -> None:
+            if isinstance(x, TensorInfo):
+                out.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    visit(y)
+
+        for a in self.args:
+            visit(a)
+        for v in self.kwargs.values():
+            visit(v)
+        return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one op call.
+
+    ``inputs``: target placements per DTensor input (flat order), ``None`` to leave it alone.
+    ``outputs``: placements per tensor output (flat order), ``None`` for a non-DTensor output.
+    ``args``/``kwargs``: rewritten arguments for the local call, ``None`` to keep the originals.
+    ``kernel``: name of a platform kernel to run instead of the op (e.g. masked embedding).
+    """
+
+    inputs: tuple[tuple[Placement, ...] | None, ...]
+    outputs: tuple[tuple[Placement, ...] | None, ...]
+    args: tuple[Any, ...] | None = None
+    kwargs: dict[str, Any] | None = None
+    kernel: str | None = None
+
+
+Rule = Callable[[OpCall], Decision]
+
+_R = Replicate()
+
+
+def transition_cost(src: Placement, dst: Placement, mesh_size: int, numel: int) -> float:
+    """Cost of changing one mesh dim's placement, in elements moved (planner's cost model)."""
+    if src == dst:
+        return 0.0
+    kind = _step_kind(src, dst)
+    if kind is None:  # two steps through Replicate
+        return _step_cost(_step_kind(src, _R) or "", mesh_size, numel)
+    return _step_cost(kind, mesh_size, numel)
+
+
+def per_mesh_dim(
+    call: OpCall,
+    choose: Callable[[int, list[Placement]], tuple[list[Placement], list[Placement]]],
+    n_outputs: int,
+) -> Decision:
+    """Build a Decision from a rule that decides one mesh dim at a time.
+
+    ``choose(mesh_dim, input_placements)`` returns (required input placements, output placements)
+    for that mesh dim.
+    """
+    infos = call.tensors()
+    ins: list[list[Placement]] = [[] for _ in infos]
+    outs: list[list[Placement]] = [[] for _ in range(n_outputs)]
+    for k in range(len(call.mesh_shape)):
+        req, out = choose(k, [t.placements[k] for t in infos])
+        for i, p in enumerate(req):
+            ins[i].append(p)
+        for i, p in enumerate(out):
+            outs[i].append(p)
+    return Decision(tuple(tuple(p) for p in ins), tuple(tuple(p) for p in outs))
+
+
+def cheapest(
+    candidates: Sequence[tuple[list[Placement], list[Placement]]],
+    current: Sequence[Placement],
+    numels: Sequence[int],
+    mesh_size: int,
+) -> tuple[list[Placement], list[Placement]]:
+    """The candidate (inputs, outputs) whose input redistribution costs least; first wins ties."""
+    best = None
+    best_cost = float("inf")
+    for req, out in candidates:
+        cost = sum(transition_cost(c, r, mesh_size, n) for c, r, n in zip(current, req, numels))
+        if cost < best_cost:
+            best, best_cost = (req, out), cost
+    assert best is not None
+    return best
+

@@ -1,0 +1,180 @@
+"""View-like ops: the shard follows the data when the sharded dim stays contiguous.
+
+``view``/``reshape`` split and merge dims in groups; a shard survives on the group's outermost
+dim (which maps to the outermost output dim of the group when that one is divisible by the mesh
+size).  Other shards are gathered first.  Local calls get local sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from hp_dtensor.placement_types import Placement, Replicate, Shard
+from hp_dtensor.shard_geometry import local_shape
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+
+
+def infer_size(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = numel // known if known else 0
+    return tuple(shape)
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs (src dims, dst dims) whose products match, in order; size-1 dims stand alone."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        ins, outs = [i], [j]
+        pin, pout = src[i], dst[j]
+        i += 1
+        j += 1
+        while pin != pout:
+            if pin < pout:
+                pin *= src[i]
+                ins.append(i)
+                i += 1
+            else:
+                pout *= dst[j]
+                outs.append(j)
+                j += 1
+        groups.append((ins, outs))
+    return groups
+
+
+def reshape_placements(
+    src_shape: Sequence[int], dst_shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[tuple[Placement, ...], tuple[Placement, ...]]:
+    """(required input placements, output placements) for reshaping ``src_shape`` to ``dst_shape``."""
+    groups = view_groups(src_shape, dst_shape)
+    req: list[Placement] = []
+    out: list[Placement] = []
+    for k, p in enumerate(placements):
+        if isinstance(p, Shard):
+            g = next(g for g in groups if p.dim in g[0])
+            ins, outs = g
+            if outs and p.dim == ins[0] and dst_shape[outs[0]] % mesh_shape[k] == 0 and not any(
+                isinstance(q, Shard) and q.dim == p.dim for q in placements[:k]
+            ):
+                req.append(p)
+                out.append(Shard(outs[0]))
+                continue
+            req.append(Replicate())
+            out.append(Replicate())
+        else:
+            req.append(p)
+            out.append(p)
+    return tuple(req), tuple(out)
+
+
+def view_rule(call: OpCall, size_arg: int = 1) -> Decision:
+    """``view(self, size)``/``reshape``/``_unsafe_view``: sizes rewritten to the local shape."""
+    t: TensorInfo = call.args[0]
+    dst = infer_size(call.args[size_arg], t.numel)
+    req, out = reshape_placements(t.shape, dst, t.placements, call.mesh_shape)
+    args = list(call.args)
+    args[size_arg] = list(local_shape(dst, call.mesh_shape, out))
+    return Decision((req,), (out,), args=tuple(args))
+
+
+def permute_rule(call: OpCall, dims: Sequence[int]) -> Decision:
+    t: TensorInfo = call.args[0]
+    dims = [d % t.ndim for d in dims] if t.ndim else []
+    out = tuple(Shard(dims.index(p.dim)) if isinstance(p, Shard) else p for p in t.placements)
+    return Decision((t.placements,), (out,))
+
+
+def transpose_rule(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    if t.ndim < 2:
+        return Decision((t.placements,), (t.placements,))
+    d0 = call.args[1] % t.ndim if len(call.args) > 1 else 0
+    d1 = call.args[2] % t.ndim if len(call.args) > 2 else 1
+    perm = list(range(t.ndim))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return permute_rule(call, perm)
+
+
+def unsqueeze_rule(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    d = call.args[1] % (t.ndim + 1)
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in t.placements)
+    return Decision((t.placements,), (out,))
+
+
+def squeeze_rule(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    if len(call.args) > 1:
+        dims_arg = call.args[1]
+        dims = [dims_arg] if isinstance(dims_arg, int) else list(dims_arg)
+        dims = [d % max(t.ndim, 1) for d in dims if t.shape[d % max(t.ndim, 1)] == 1]
+    else:
+        dims = [i for i, s in enumerate(t.shape) if s == 1]
+    out = tuple(
+        Shard(p.dim - sum(d < p.dim for d in dims)) if isinstance(p, Shard) else p for p in t.placements
+    )
+    return Decision((t.placements,), (out,))
+
+
+def expand_rule(call: OpCall) -> Decision:
+    """``expand(self, size)``: sharded dims keep their size (expanding them is not possible)."""
+    t: TensorInfo = call.args[0]
+    size = list(call.args[1])
+    lead = len(size) - t.ndim
+    glob = [t.shape[i - lead] if s == -1 else s for i, s in enumerate(size)]
+    req: list[Placement] = []
+    out: list[Placement] = []
+    for p in t.placements:
+        if isinstance(p, Shard) and t.shape[p.dim] == glob[p.dim + lead]:
+            req.append(p)
+            out.append(Shard(p.dim + lead))
+        elif isinstance(p, Shard):
+            req.append(Replicate())
+            out.append(Replicate())
+        else:
+            req.append(p)
+            out.append(p)
+    args = list(call.args)
+    args[1] = list(local_shape(glob, call.mesh_shape, out))
+    return Decision((tuple(req),), (tuple(out),), args=tuple(args))
+
+
+def dim_preserving_rule(call: OpCall, dims: Sequence[int], n_outputs: int = 1) -> Decision:
+    """Ops that need ``dims`` whole (slice/select/split along them, softmax over them): shards on
+    those dims are gathered, others flow through.  ``select`` removes its dim (caller adjusts)."""
+    t: TensorInfo = call.args[0]
+    norm = {d % max(t.ndim, 1) for d in dims}
+    req = tuple(Replicate() if isinstance(p, Shard) and p.dim in norm else p for p in t.placements)
+    return Decision((req,), tuple(req for _ in range(n_outputs)))
+
+
+def select_rule(call: OpCall) -> Decision:
+    t: TensorInfo = call.args[0]
+    d = call.args[1] % t.ndim
+    req = tuple(Replicate() if isinstance(p, Shard) and p.dim == d else p for p in t.placements)
+    out = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > d else p for p in req)
+    return Decision((req,), (out,))
+
+
+def cat_rule(call: OpCall) -> Decision:
+    """``cat(tensors, dim)``: the cat dim is gathered; all inputs agree on the other shards."""
+    tensors: list[TensorInfo] = list(call.args[0])
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
+    ref = next(t for t in tensors if t.ndim > 0)
+    dim %= ref.ndim
+    req = tuple(
+        Replicate() if (isinstance(p, Shard) and p.dim == dim) or not isinstance(p, (Shard, Replicate)) else p
+        for p in ref.placements
+    )
+    return Decision(tuple(req for _ in tensors), (req,))

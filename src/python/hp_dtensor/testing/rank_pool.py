@@ -1,0 +1,191 @@
+"""``RankPool``: N real ranks started once, running many test functions.
+
+Each rank is a spawned process with its own default process group (gloo on CPU) rendezvousing on
+a ``FileStore`` in a fresh temporary folder, so no port is chosen and parallel test files never
+collide.  ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
+the list of results by rank.  An exception on any rank raises ``RankError`` with that rank's
+traceback; a case that outlives its timeout raises ``RankTimeout`` naming the ranks that did not
+finish, and the pool is restarted so later cases still run.  ``fn`` must be importable (a
+module-level function) because ranks are spawned.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_ctx = mp.get_context("spawn")
+_GRACE_S = 3.0  # after one rank fails, how long the others get to finish before a restart
+
+
+class RankError(AssertionError):
+    """A test function raised on one or more ranks."""
+
+
+class RankTimeout(AssertionError):
+    """A test function did not finish on every rank in time."""
+
+
+def _rank_main(
+    rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
+    from hp_dtensor.platform import current
+
+    plat = current()
+    plat.set_num_threads(1)
+    try:
+        plat.init_with_file_store(backend, store_path, rank, world_size, timeout_s=300)
+    except BaseException:
+        results.put((-1, rank, False, traceback.format_exc()))
+        return
+    results.put((-1, rank, True, None))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        case_id, fn, args, kwargs = item
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+            results.put((case_id, rank, True, value))
+        except BaseException:
+            results.put((case_id, rank, False, traceback.format_exc()))
+    plat.destroy()
+
+
+class RankPool:
+    """``world_size`` rank processes; start on first ``run``; ``close`` (or ``with``) stops them."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 60.0,
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {})}
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._dir: str | None = None
+        self._case = 0
+        self.restarts = 0
+
+    # ----- lifecycle -----
+    def start(self) -> None:
+        if self._procs:
+            return
+        self._dir = tempfile.mkdtemp(prefix="hp-rankpool-")
+        store = os.path.join(self._dir, "store")
+        self._results = _ctx.Queue()
+        self._tasks = [_ctx.Queue() for _ in range(self.world_size)]
+        for rank in range(self.world_size):
+            p = _ctx.Process(
+                target=_rank_main,
+                args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results, self.env),
+                daemon=True,
+            )
+            p.start()
+            self._procs.append(p)
+        ready = self._collect(-1, self.start_timeout)
+        failed = [r for r, (ok, _) in ready.items() if not ok]
+        if failed or len(ready) < self.world_size:
+            detail = "\n".join(f"--- rank {r} ---\n{ready[r][1]}" for r in failed)
+            missing = sorted(set(range(self.world_size)) - set(ready))
+            self.close(force=True)
+            raise RankError(f"rank pool failed to start (ranks not up: {missing})\n{detail}")
+
+    def close(self, force: bool = False) -> None:
+        for i, p in enumerate(self._procs):
+            if not force and p.is_alive():
+                try:
+                    self._tasks[i].put(None)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + (0 if force else 10)
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._tasks = []
+        self._results = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----- running cases -----
+    def _collect(self, case_id: int, timeout: float) -> dict[int, tuple[bool, Any]]:
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if any(not ok for ok, _ in got.values()):
+                deadline = min(deadline, now + _GRACE_S)
+            try:
+                cid, rank, ok, value = self._results.get(timeout=min(0.2, deadline - now))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+                for r in dead:
+                    got[r] = (False, f"rank {r} process died (exit code {self._procs[r].exitcode})")
+                continue
+            if cid == case_id:
+                got[rank] = (ok, value)
+        return got
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results by rank."""
+        self.start()
+        self._case += 1
+        case_id = self._case
+        for q in self._tasks:
+            q.put((case_id, fn, args, kwargs))
+        limit = self.timeout if timeout is None else timeout
+        got = self._collect(case_id, limit)
+        failed = sorted(r for r, (ok, _) in got.items() if not ok)
+        missing = sorted(set(range(self.world_size)) - set(got))
+        if missing:
+            self.close(force=True)
+            self.restarts += 1
+        name = getattr(fn, "__qualname__", repr(fn))
+        if failed:
+            detail = "\n".join(f"--- rank {r} ---\n{got[r][1]}" for r in failed)
+            extra = f" (ranks {missing} did not finish; pool restarted)" if missing else ""
+            raise RankError(f"{name} raised on ranks {failed}{extra}\n{detail}")
+        if missing:
+            raise RankTimeout(
+                f"{name} did not finish within {limit:.0f} s on ranks {missing}; the pool was restarted"
+            )
+        return [got[r][1] for r in range(self.world_size)]
+
+
+def rank_pool_fixture(world_size: int, *, timeout: float = 60.0) -> Any:
+    """A module-scoped pytest fixture yielding a started ``RankPool``: ranks start once per module."""
+    import pytest  # pants: no-infer-dep  (pytest is only needed by test suites using this fixture)
+
+    @pytest.fixture(scope="module")
+    def _pool() -> Iterator[RankPool]:
+        pool = RankPool(world_size, timeout=timeout)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+    return _pool

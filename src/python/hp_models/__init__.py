@@ -1,0 +1,1 @@
+"""hp_models: ready models and plans (see issue 6)."""

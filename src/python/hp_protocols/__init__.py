@@ -1,0 +1,1 @@
+"""hp_protocols: module protocols and parallelism config (see issue 5)."""

@@ -1,0 +1,1 @@
+"""hp_tp: tensor-parallel styles (see issue 4)."""

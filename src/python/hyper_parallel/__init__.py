@@ -1,0 +1,29 @@
+"""hyper-parallel: declare how a model is split across devices.
+
+The umbrella package: it re-exports the public API of the hp_* packages and holds no logic.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hp_dtensor import CommDebugMode, DeviceMesh, Partial, Placement, Replicate, Shard, init_device_mesh
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from hp_dtensor import DTensor, distribute_module, distribute_tensor
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("DTensor", "distribute_tensor", "distribute_module"):
+        import hp_dtensor
+
+        return getattr(hp_dtensor, name)
+    raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
+
+
+__all__ = [
+    "CommDebugMode", "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
+    "distribute_module", "distribute_tensor", "init_device_mesh",
+]

@@ -1,0 +1,82 @@
+"""The multi-rank harness itself: results, failures, hangs, restarts, fake worlds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hp_dtensor.testing import RankError, RankPool, RankTimeout, fake_world, rank_pool_fixture
+
+pool4 = rank_pool_fixture(4)
+
+
+def _all_reduce(rank: int, world_size: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank_2(rank: int, world_size: int) -> int:
+    if rank == 2:
+        raise ValueError("boom on rank two")
+    return rank
+
+
+def _hang_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def _echo(rank: int, world_size: int, value: int, *, scale: int = 1) -> tuple[int, int, int]:
+    return rank, world_size, value * scale
+
+
+def test_four_rank_all_reduce(pool4: RankPool) -> None:
+    assert pool4.run(_all_reduce) == [10.0, 10.0, 10.0, 10.0]
+
+
+def test_args_and_results_by_rank(pool4: RankPool) -> None:
+    assert pool4.run(_echo, 7, scale=2) == [(r, 4, 14) for r in range(4)]
+
+
+def test_rank_exception_carries_its_traceback(pool4: RankPool) -> None:
+    with pytest.raises(RankError) as info:
+        pool4.run(_raise_on_rank_2)
+    msg = str(info.value)
+    assert "ranks [2]" in msg and "boom on rank two" in msg and "Traceback" in msg
+    # the pool is still usable: the other ranks finished the case
+    assert pool4.run(_all_reduce) == [10.0] * 4
+
+
+def test_hang_times_out_names_ranks_and_pool_recovers(pool4: RankPool) -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        pool4.run(_hang_on_rank_1, timeout=3)
+    assert "ranks [1]" in str(info.value)
+    assert time.monotonic() - start < 30
+    restarts = pool4.restarts
+    assert pool4.run(_all_reduce) == [10.0] * 4
+    assert restarts == 1
+
+
+def test_one_and_two_rank_pools() -> None:
+    with RankPool(1) as p1:
+        assert p1.run(_all_reduce) == [1.0]
+    with RankPool(2) as p2:
+        assert p2.run(_all_reduce) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_fake_world_builds_meshes_of_any_size(world: int) -> None:
+    from hp_dtensor import init_device_mesh
+
+    with fake_world(world, rank=world - 1):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        assert mesh.get_coordinate() == (1, world // 2 - 1)
+        assert mesh["tp"].size() == world // 2
+        assert mesh.group_ranks(1) == tuple(range(world // 2, world))
