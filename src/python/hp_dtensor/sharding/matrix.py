@@ -42,7 +42,6 @@ def einsum_rule(call: OpCall, equation: str, *, has_bias: bool = False) -> Decis
     out_shape = tuple(
         next(f.shape[s.index(c)] for f, s in zip(factors, inputs) if c in s) for c in output
     )
-    numels = [t.numel for t in infos]
 
     def choose(k: int, cur: list[Placement]) -> tuple[list[Placement], list[Placement]]:
         fac_cur = cur[1:] if has_bias else cur
@@ -58,6 +57,6 @@ def einsum_rule(call: OpCall, equation: str, *, has_bias: bool = False) -> Decis
                     bias_p = Replicate()
                 req = [bias_p] + req
             cands.append((req, [out]))
-        return cheapest(cands, cur, numels, call.mesh_shape[k])
+        return cheapest(cands, cur, infos, call.mesh_shape[k])
 
     return per_mesh_dim(call, choose, 1)

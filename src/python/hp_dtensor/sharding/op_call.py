@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hp_dtensor.placement_types import Placement, Replicate
+from hp_dtensor.placement_types import Placement, Replicate, Shard
 from hp_dtensor.redistribute_planner import _step_cost, _step_kind
 
 
@@ -82,6 +82,8 @@ def transition_cost(src: Placement, dst: Placement, mesh_size: int, numel: int) 
     """Cost of changing one mesh dim's placement, in elements moved (planner's cost model)."""
     if src == dst:
         return 0.0
+    if isinstance(src, Shard):
+        numel //= mesh_size  # the planner's costs are in local elements
     kind = _step_kind(src, dst)
     if kind is None:  # two steps through Replicate
         return _step_cost(_step_kind(src, _R) or "", mesh_size, numel)
@@ -113,13 +115,20 @@ def per_mesh_dim(
 def cheapest(
     candidates: Sequence[tuple[list[Placement], list[Placement]]],
     current: Sequence[Placement],
-    numels: Sequence[int],
+    infos: Sequence[TensorInfo],
     mesh_size: int,
 ) -> tuple[list[Placement], list[Placement]]:
-    """The candidate (inputs, outputs) whose input redistribution costs least; first wins ties."""
+    """The candidate (inputs, outputs) whose input redistribution costs least; first wins ties.
+    Candidates that would shard a dim the mesh dim does not divide are skipped."""
     best = None
     best_cost = float("inf")
+    numels = [t.numel for t in infos]
     for req, out in candidates:
+        if any(
+            isinstance(r, Shard) and (r.dim >= t.ndim or t.shape[r.dim] % mesh_size != 0)
+            for r, t in zip(req, infos)
+        ):
+            continue
         cost = sum(transition_cost(c, r, mesh_size, n) for c, r, n in zip(current, req, numels))
         if cost < best_cost:
             best, best_cost = (req, out), cost

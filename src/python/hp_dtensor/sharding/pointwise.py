@@ -41,7 +41,6 @@ def pointwise_rule(
     infos = call.tensors()
     out_shape = _out_shape(infos)
     out_ndim = len(out_shape)
-    numels = [t.numel for t in infos]
 
     def choose(k: int, cur: list[Placement]) -> tuple[list[Placement], list[Placement]]:
         n = call.mesh_shape[k]
@@ -72,7 +71,7 @@ def pointwise_rule(
             if req is not None:
                 cands.append((req, [partials[0]] * n_outputs))
         cands.append(([Replicate() for _ in infos], [Replicate()] * n_outputs))
-        return cheapest(cands, cur, numels, n)
+        return cheapest(cands, cur, infos, n)
 
     return per_mesh_dim(call, choose, n_outputs)
 

@@ -46,10 +46,16 @@ def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return deco
 
 
+FOREACH_RULES: dict[str, Rule] = {}  # by base op name ("add", "mul", ...), "*" for the rest
+
+
 def _find_rule(func: Any) -> Rule | None:
     rule = RULES.get(func)
     if rule is None:
         rule = RULES.get(func.overloadpacket)
+    if rule is None and func._schema.name.startswith("aten::_foreach_"):
+        base = func._schema.name[len("aten::_foreach_") :].rstrip("_")
+        rule = FOREACH_RULES.get(base, FOREACH_RULES.get("*"))
     return rule
 
 
@@ -84,15 +90,17 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
             key_parts.append((spec.placements, spec.shape))
         elif isinstance(leaf, torch.Tensor):
-            if leaf.ndim != 0:
+            if leaf.ndim != 0 and not _in_backward():
                 raise RuntimeError(
                     f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
                     f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
                 )
-            key_parts.append("scalar-tensor")
+            key_parts.append(("plain", tuple(leaf.shape)) if leaf.ndim else "scalar-tensor")
         else:
             key_parts.append(leaf)
     assert mesh is not None
+    if any(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim for x in flat):
+        flat = _as_dtensors(flat, mesh)
     try:
         key: Any = tuple(key_parts)
         hash(key)
@@ -107,6 +115,22 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             _cache[key] = cached
     decision, is_fallback = cached
     return _run(func, flat, treespec, mesh, decision, is_fallback, args)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: zero gradients it materializes for unused outputs
+    (split, unbind, ...) are plain tensors of the global shape, treated as Replicate."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
+    rep = tuple(Replicate() for _ in mesh.shape)
+    return [
+        DTensor(leaf, DTensorSpec(mesh, rep, tuple(leaf.shape)))
+        if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor) and leaf.ndim
+        else leaf
+        for leaf in flat
+    ]
 
 
 def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
@@ -132,6 +156,7 @@ def _run(
 ) -> Any:
     inplace = _is_inplace(func)
     locals_: list[Any] = []
+    dt_locals_list: list[torch.Tensor] = []
     i = 0
     self_redistributed = False
     for leaf in flat:
@@ -144,26 +169,25 @@ def _run(
                 if i == 0 and inplace:
                     self_redistributed = True
             locals_.append(local)
+            dt_locals_list.append(local)
             i += 1
         else:
             locals_.append(leaf)
+    local_args, local_kwargs = pytree.tree_unflatten(locals_, treespec)
     if decision.args is not None or decision.kwargs is not None:
-        new_flat, _ = pytree.tree_flatten(
-            (decision.args if decision.args is not None else (), decision.kwargs or {})
-        )
-        rebuilt: list[Any] = []
-        orig_args, orig_kwargs = pytree.tree_unflatten(locals_, treespec)
-        # Tensors keep their (redistributed) locals; other leaves come from the decision.
-        tensors = [x for x in locals_ if isinstance(x, torch.Tensor)]
-        t_iter = iter(tensors)
-        for leaf in new_flat:
-            rebuilt.append(next(t_iter) if isinstance(leaf, TensorInfo) else leaf)
-        _, new_spec = pytree.tree_flatten(
-            (decision.args if decision.args is not None else orig_args, decision.kwargs or orig_kwargs)
-        )
-        local_args, local_kwargs = pytree.tree_unflatten(rebuilt, new_spec)
-    else:
-        local_args, local_kwargs = pytree.tree_unflatten(locals_, treespec)
+        # Rewritten arguments keep TensorInfo placeholders where the (redistributed) locals go.
+        dt_locals = iter(dt_locals_list)
+
+        def fill(x: Any) -> Any:
+            return next(dt_locals) if isinstance(x, TensorInfo) else x
+
+        if decision.args is not None:
+            local_args = pytree.tree_map(fill, decision.args)
+        else:
+            for _ in (x for x in pytree.tree_leaves(args) if isinstance(x, DTensor)):
+                next(dt_locals)
+        if decision.kwargs is not None:
+            local_kwargs = pytree.tree_map(fill, decision.kwargs)
     if decision.kernel is not None:
         out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
     else:

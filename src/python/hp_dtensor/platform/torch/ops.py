@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hp_dtensor.placement_types import Partial, Replicate, Shard
-from hp_dtensor.platform.torch.dispatch import kernel, register
+from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
 from hp_dtensor.shard_geometry import local_shape
 from hp_dtensor.sharding.attention import sdpa_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule
@@ -257,11 +257,6 @@ def _foreach_rule(linearity: str | None) -> Any:
     return rule
 
 
-for _name in dir(aten):
-    if _name.startswith("_foreach_"):
-        _packet = getattr(aten, _name)
-        _base = _name[len("_foreach_"):].rstrip("_")
-        _lin: str | None = {"add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add",
-                            "zero": "mul", "neg": "mul"}.get(_base)
-        register(_packet)(_foreach_rule(_lin))
-
+for _base, _lin in {"add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add", "zero": "mul",
+                   "neg": "mul", "*": None}.items():
+    FOREACH_RULES[_base] = _foreach_rule(_lin)
