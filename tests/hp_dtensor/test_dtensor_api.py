@@ -1,3 +1,5 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator"
+# (tests drive DTensors through torch APIs typed for plain tensors)
 """DTensor API on real gloo ranks: distribute_tensor, from_local, to_local, full_tensor,
 redistribute (fuzzed on 1-D and 2x2 meshes, values and gradients), errors and comm counts."""
 
@@ -47,7 +49,7 @@ def _distribute_from_rank0(rank: int, world: int) -> list[Any]:
     x = torch.randn(8, 4)
     mine = x if rank == 0 else torch.full((8, 4), float("nan"))
     out = []
-    for pl, kind in ((Shard(0), "scatter"), (Replicate(), "broadcast"), (Shard(1), "scatter")):
+    for pl in (Shard(0), Replicate(), Shard(1)):
         with CommDebugMode() as comm:
             d = distribute_tensor(mine, mesh, [pl])
         out.append((comm.get_comm_counts(), torch.equal(d.full_tensor(), x), tuple(d.to_local().shape)))

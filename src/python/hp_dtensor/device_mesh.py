@@ -106,10 +106,17 @@ class DeviceMesh:
 
     # ----- identity -----
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and self._layout == other._layout
+        return self is other or (isinstance(other, DeviceMesh) and self._layout == other._layout)
 
     def __hash__(self) -> int:
-        return hash(self._layout)
+        return self._hash
+
+    @property
+    def _hash(self) -> int:
+        h = self.__dict__.get("_hash_cache")
+        if h is None:
+            h = self.__dict__["_hash_cache"] = hash(self._layout)
+        return h
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -64,11 +64,50 @@ def _fallback_rule(call: OpCall) -> Decision:
     return Decision(tuple(rep for _ in call.tensors()), (rep,))
 
 
+_inplace_cache: dict[Any, bool] = {}
+
+
 def _is_inplace(func: Any) -> bool:
-    schema = func._schema
-    return bool(schema.arguments) and schema.arguments[0].alias_info is not None and schema.arguments[
-        0
-    ].alias_info.is_write and not schema.name.endswith("_out")
+    r = _inplace_cache.get(func)
+    if r is None:
+        schema = func._schema
+        args = schema.arguments
+        r = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+        _inplace_cache[func] = r
+    return r
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+class _SimpleSpec:
+    """Flat args and kwargs (no nested containers): flatten/unflatten without pytree's cost."""
+
+    __slots__ = ("n_args", "keys")
+
+    def __init__(self, n_args: int, keys: tuple[str, ...]) -> None:
+        self.n_args = n_args
+        self.keys = keys
+
+    def unflatten(self, flat: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        n = self.n_args
+        return tuple(flat[:n]), dict(zip(self.keys, flat[n:]))
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    for a in args:
+        if isinstance(a, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    for v in kwargs.values():
+        if isinstance(v, _CONTAINERS):
+            return pytree.tree_flatten((args, kwargs))
+    return [*args, *kwargs.values()], _SimpleSpec(len(args), tuple(kwargs))
+
+
+def _unflatten(flat: list[Any], spec: Any) -> Any:
+    if isinstance(spec, _SimpleSpec):
+        return spec.unflatten(flat)
+    return pytree.tree_unflatten(flat, spec)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -78,7 +117,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    flat, treespec = pytree.tree_flatten((args, kwargs))
+    flat, treespec = _flatten(args, kwargs)
     mesh = None
     key_parts: list[Any] = [func]
     for leaf in flat:
@@ -86,9 +125,9 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             spec = leaf._spec
             if mesh is None:
                 mesh = spec.mesh
-            elif spec.mesh != mesh:
+            elif spec.mesh is not mesh and spec.mesh != mesh:
                 raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
-            key_parts.append((spec.placements, spec.shape))
+            key_parts.append(spec)
         elif isinstance(leaf, torch.Tensor):
             if leaf.ndim != 0 and not _in_backward():
                 raise RuntimeError(
@@ -137,7 +176,7 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
     infos = [
         TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf for leaf in flat
     ]
-    args, kwargs = pytree.tree_unflatten(infos, treespec)
+    args, kwargs = _unflatten(infos, treespec)
     call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
     rule = _find_rule(func)
     if rule is None:
@@ -173,7 +212,7 @@ def _run(
             i += 1
         else:
             locals_.append(leaf)
-    local_args, local_kwargs = pytree.tree_unflatten(locals_, treespec)
+    local_args, local_kwargs = _unflatten(locals_, treespec)
     if decision.args is not None or decision.kwargs is not None:
         # Rewritten arguments keep TensorInfo placeholders where the (redistributed) locals go.
         dt_locals = iter(dt_locals_list)
@@ -209,22 +248,29 @@ def _run(
 
 
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
+    if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
+        pl = decision.outputs[0]
+        glob = list(out.shape)
+        for k, p in enumerate(pl):
+            if isinstance(p, Shard):
+                glob[p.dim] *= mesh.shape[k]
+        return DTensor(out, DTensorSpec(mesh, pl, tuple(glob)))
     flat, spec = pytree.tree_flatten(out)
     res = []
     j = 0
     outs = decision.outputs
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
-            pl = outs[min(j, len(outs) - 1)] if outs else None
+            leaf_pl = outs[min(j, len(outs) - 1)] if outs else None
             j += 1
-            if pl is None:
+            if leaf_pl is None:
                 res.append(leaf)
                 continue
             glob = list(leaf.shape)
-            for k, p in enumerate(pl):
+            for k, p in enumerate(leaf_pl):
                 if isinstance(p, Shard):
                     glob[p.dim] *= mesh.shape[k]
-            res.append(DTensor(leaf, DTensorSpec(mesh, pl, tuple(glob))))
+            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, tuple(glob))))
         else:
             if leaf is None:
                 j += 1
