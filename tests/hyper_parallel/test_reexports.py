@@ -3,12 +3,21 @@
 """The umbrella re-exports the same objects the packages define."""
 
 import hp_dtensor
+import hp_tp
 import hyper_parallel
 
 
 def test_umbrella_exports_are_the_package_objects() -> None:
     for name in hyper_parallel.__all__:
-        assert getattr(hyper_parallel, name) is getattr(hp_dtensor, name), name
+        source = hp_tp if name in hp_tp.__all__ else hp_dtensor
+        assert getattr(hyper_parallel, name) is getattr(source, name), name
+
+
+def test_seven_styles_are_parallel_styles() -> None:
+    names = ["ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
+             "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel"]
+    for name in names:
+        assert issubclass(getattr(hyper_parallel, name), hyper_parallel.ParallelStyle), name
 
 
 def test_umbrella_has_no_protocol_symbols() -> None:

@@ -8,6 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hp_dtensor import CommDebugMode, DeviceMesh, Partial, Placement, Replicate, Shard, init_device_mesh
+from hp_tp import (
+    ColwiseParallel,
+    NoParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 __version__ = "0.1.0"
 
@@ -24,6 +36,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ColwiseParallel", "NoParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
+    "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "loss_parallel", "parallelize_module",
     "CommDebugMode", "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_module", "distribute_tensor", "init_device_mesh",
 ]

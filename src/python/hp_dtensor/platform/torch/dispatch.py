@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from hp_dtensor.placement_types import Placement, Replicate, Shard
+from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
@@ -113,6 +114,10 @@ def _unflatten(flat: list[Any], spec: Any) -> Any:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func._schema.name.startswith("aten::_foreach_"):
         return _dispatch_foreach(func, args, kwargs)
+    if _loss_parallel.enabled():
+        kernel_call = _loss_parallel.override(func, args, kwargs)
+        if kernel_call is not None:
+            return kernel_call()
     return _dispatch_one(func, args, kwargs)
 
 
