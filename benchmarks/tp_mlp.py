@@ -95,7 +95,7 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float, float]]:
         hand = _megatron(ref, rank, world)
         x = torch.randn(tokens, hidden)
 
-        def step(fn: Any) -> None:
+        def step(fn: Any, x: Any = x) -> None:
             xi = x.clone().requires_grad_(True)
             fn(xi).sum().backward()
 
