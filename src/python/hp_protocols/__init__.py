@@ -1,1 +1,27 @@
-"""hp_protocols: module protocols and parallelism config (see issue 5)."""
+"""hp_protocols: torchtitan-style protocol layer (Configurable, Module, ShardingConfig, ModelSpec,
+state-dict adapters) and the parallelism configuration users write (seed 004)."""
+
+from hp_protocols.configurable import Configurable
+from hp_protocols.model import BaseModel
+from hp_protocols.model_spec import ModelSpec, get_model_spec, register_model_spec
+from hp_protocols.module import Module, ModuleDict, ModuleList, Sequential
+from hp_protocols.parallelism import (
+    DataFacts,
+    JobConfig,
+    ModelFacts,
+    ParallelDims,
+    ParallelismConfig,
+    TrainingConfig,
+)
+from hp_protocols.sharding import LocalMapConfig, NamedPlacement, ShardingConfig, resolve_placements
+from hp_protocols.state_dict_adapter import BaseStateDictAdapter
+from hp_protocols.types import MeshAxisName
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig",
+    "MeshAxisName", "ModelFacts", "ModelSpec", "Module", "ModuleDict", "ModuleList", "NamedPlacement",
+    "ParallelDims", "ParallelismConfig", "Sequential", "ShardingConfig", "TrainingConfig", "get_model_spec",
+    "register_model_spec", "resolve_placements",
+]

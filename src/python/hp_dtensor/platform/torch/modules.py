@@ -9,7 +9,27 @@ import torch
 from torch import nn
 
 Module = nn.Module
+ModuleList = nn.ModuleList
+ModuleDict = nn.ModuleDict
+Sequential = nn.Sequential
 Parameter = nn.Parameter
+
+
+def init_param_(param: Any, kind: str, std: float = 0.02) -> None:
+    """Initialize in place: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
+    with torch.no_grad():
+        if kind == "normal":
+            param.normal_(0.0, std)
+        elif kind == "zeros":
+            param.zero_()
+        elif kind == "ones":
+            param.fill_(1.0)
+        else:
+            raise ValueError(f"unknown init kind {kind!r}; use normal, zeros or ones")
+
+
+def numel(t: Any) -> int:
+    return int(t.numel())
 
 
 def is_module(obj: Any) -> bool:

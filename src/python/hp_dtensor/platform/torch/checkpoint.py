@@ -1,0 +1,20 @@
+"""safetensors files for torch tensors (DTensors are written whole)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def save_safetensors(tensors: dict[str, Any], path: str) -> None:
+    from safetensors.torch import save_file
+
+    from hp_dtensor.platform.torch.dtensor import DTensor
+
+    plain = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().contiguous() for k, v in tensors.items()}
+    save_file(plain, path)
+
+
+def load_safetensors(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(path))

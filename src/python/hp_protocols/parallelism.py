@@ -1,0 +1,357 @@
+"""The parallelism configuration users write (seed 004), its derived sizes and its rules.
+
+A job file has a ``parallelism:`` section (``ParallelismConfig``), a ``training:`` section (batch
+sizes) and optionally the ``model:`` facts and ``train_dataset.dataloader.config`` flags the rules
+need (head and layer counts, attention-mask compression).  ``ParallelismConfig.resolve(world_size,
+...)`` checks every rule and returns the derived sizes (``ParallelDims``).  Pure: no framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_RESHARD = ("always", "never", "default")
+_CP_METHODS = ("colossal", "ulysses", "hybrid")
+_DISPATCHERS = ("alltoall", "alltoall_deredundancy")
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """Every field of the doc's global example, with the doc's defaults."""
+
+    data_parallel_shard: int = -1
+    reshard_after_forward_policy: str = "default"
+    cpu_offload: bool = False
+    disable_gradient_division: bool = True
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    context_parallel_method: str = "colossal"
+    context_parallel_async: bool = False
+    ulysses_degree_in_cp: int | None = None
+    context_parallel_mask_type: str = "causal"
+    pipeline_parallel: int = 1
+    pipeline_parallel_interleave_num: int = 1
+    pipeline_parallel_layers_per_stage: str | list[str] | None = None
+    pipeline_parallel_overlap_p2p: bool = False
+    pipeline_parallel_overlap_b_f: bool = False
+    pipeline_parallel_microbatch_size: int = 1  # derived at resolve time (= accumulation steps)
+    pipeline_parallel_schedule: str = "1f1b"  # reserved: interleaved 1F1B is always used
+    pipeline_parallel_enable_dxdw_split: bool = False  # reserved
+    expert_parallel: int = 1
+    moe_token_dispatcher_type: str = "alltoall"
+    npu_nums_per_device: int = 8
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    global_batch_size: int | None = None
+    local_batch_size: int = 1
+
+
+@dataclass(kw_only=True)
+class ModelFacts:
+    """What the rules need to know about the model."""
+
+    num_attention_heads: int | None = None
+    num_hidden_layers: int | None = None
+    use_attn_mask_compression: bool = False
+
+
+@dataclass(kw_only=True)
+class DataFacts:
+    """``train_dataset.dataloader.config`` flags the CP mask rule reads."""
+
+    create_compressed_eod_mask: bool = False
+    create_attention_mask: bool = True
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    model: ModelFacts = field(default_factory=ModelFacts)
+    data: DataFacts = field(default_factory=DataFacts)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
+        """Sections ``parallelism``, ``training``, ``model``, ``train_dataset``; unknown keys raise
+        ``ValueError`` naming them."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a job config must be a mapping, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - {"parallelism", "training", "model", "train_dataset"})
+        if unknown:
+            raise ValueError(f"unknown config section(s) {unknown}; expected parallelism, training, model, train_dataset")
+        data_raw = (((raw.get("train_dataset") or {}).get("dataloader") or {}).get("config")) or {}
+        extra_ds = sorted(set(raw.get("train_dataset") or {}) - {"dataloader"})
+        if extra_ds:
+            raise ValueError(f"unknown key(s) {extra_ds} in train_dataset; only dataloader.config is read")
+        return cls(
+            parallelism=_build(ParallelismConfig, raw.get("parallelism") or {}, "parallelism"),
+            training=_build(TrainingConfig, raw.get("training") or {}, "training"),
+            model=_build(ModelFacts, raw.get("model") or {}, "model"),
+            data=_build(DataFacts, data_raw, "train_dataset.dataloader.config"),
+        )
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str) -> JobConfig:
+        import yaml
+
+        text = path_or_text
+        if os.path.exists(path_or_text):
+            with open(path_or_text) as f:
+                text = f.read()
+        return cls.from_dict(yaml.safe_load(text) or {})
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        return resolve(self, world_size)
+
+
+def _build(cls: Any, raw: dict[str, Any], section: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"section {section!r} must be a mapping, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {section}; known keys are {sorted(names)}")
+    return cls(**raw)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Derived sizes of a validated configuration."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    data_parallel: int
+    ulysses_degree: int
+    num_accumulation_steps: int | None
+    reshard_after_forward: bool
+    virtual_stages: int
+    stage_layers: tuple[tuple[int, ...], ...] | None  # layers of each virtual stage, in order
+
+    @property
+    def fsdp(self) -> int:
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1  # SP always follows TP
+
+    @property
+    def pipeline_microbatches(self) -> int | None:
+        return self.num_accumulation_steps
+
+    def dense_mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.fsdp, self.tp)
+
+    def sparse_mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.efsdp, self.ep)
+
+    def build_mesh(self, device_type: str = "cpu") -> tuple[Any, Any | None]:
+        """(dense mesh ``[pp, dp_replicate, fsdp, tp]``, sparse mesh ``[pp, dp_replicate, efsdp, ep]``
+        or None when ep == 1) as hp_dtensor DeviceMeshes."""
+        from hp_dtensor import init_device_mesh
+
+        dense = init_device_mesh(device_type, self.dense_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+        sparse = None
+        if self.ep > 1:
+            sparse = init_device_mesh(
+                device_type, self.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep")
+            )
+        return dense, sparse
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def resolve(job: JobConfig, world_size: int) -> ParallelDims:
+    """Validate ``job`` for ``world_size`` ranks and derive every size (seed 004's rules)."""
+    p, t, m, d = job.parallelism, job.training, job.model, job.data
+    _positive("world_size", world_size)
+    for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel",
+                 "pipeline_parallel_interleave_num", "npu_nums_per_device"):
+        _positive(name, getattr(p, name))
+    tp, cp, pp, ep = p.tensor_parallel, p.context_parallel, p.pipeline_parallel, p.expert_parallel
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world_size {world_size} is not divisible by tensor_parallel*pipeline_parallel*context_parallel "
+            f"= {tp}*{pp}*{cp} = {tp * pp * cp}"
+        )
+    data_parallel = world_size // (tp * pp * cp)
+    if data_parallel < 1:
+        raise ValueError(f"data_parallel = world_size // (tp*pp*cp) = {world_size} // {tp * pp * cp} must be >= 1")
+    shard = p.data_parallel_shard
+    if shard == -1:
+        dp_shard = data_parallel
+    elif isinstance(shard, int) and not isinstance(shard, bool) and shard >= 1:
+        dp_shard = shard
+    else:
+        raise ValueError(f"data_parallel_shard must be -1 or a positive int, got {shard!r}")
+    if data_parallel % dp_shard != 0:
+        raise ValueError(
+            f"data_parallel ({data_parallel} = world_size {world_size} // (tp*pp*cp)) is not divisible by "
+            f"data_parallel_shard {dp_shard}"
+        )
+    dp_replicate = data_parallel // dp_shard
+    assert dp_replicate * dp_shard * cp * tp * pp == world_size
+
+    # batch sizes
+    _positive("local_batch_size", t.local_batch_size)
+    accumulation = None
+    if t.global_batch_size is not None:
+        _positive("global_batch_size", t.global_batch_size)
+        if data_parallel * t.local_batch_size > t.global_batch_size:
+            raise ValueError(
+                f"data_parallel * local_batch_size = {data_parallel} * {t.local_batch_size} = "
+                f"{data_parallel * t.local_batch_size} exceeds global_batch_size {t.global_batch_size}"
+            )
+        accumulation = t.global_batch_size // (data_parallel * t.local_batch_size)
+
+    # FSDP
+    if p.reshard_after_forward_policy not in _RESHARD:
+        raise ValueError(f"reshard_after_forward_policy must be one of {_RESHARD}, got {p.reshard_after_forward_policy!r}")
+    policy = p.reshard_after_forward_policy
+    reshard = policy == "always" or (policy == "default" and pp == 1)
+
+    # CP
+    ulysses = _check_cp(p, m, d, cp)
+
+    # PP
+    virtual = pp * p.pipeline_parallel_interleave_num
+    stage_layers = _stage_layers(p, m, pp, virtual) if pp > 1 else None
+
+    # EP
+    if p.moe_token_dispatcher_type not in _DISPATCHERS:
+        raise ValueError(f"moe_token_dispatcher_type must be one of {_DISPATCHERS}, got {p.moe_token_dispatcher_type!r}")
+    if (dp_shard * cp * tp) % ep != 0:
+        raise ValueError(
+            f"expert_parallel {ep} must divide dp_shard*cp*tp = {dp_shard}*{cp}*{tp} = {dp_shard * cp * tp} "
+            f"(efsdp = dp_shard*cp*tp // ep must be a positive integer)"
+        )
+    if p.moe_token_dispatcher_type == "alltoall_deredundancy" and ep < p.npu_nums_per_device:
+        raise ValueError(
+            f"moe_token_dispatcher_type alltoall_deredundancy needs expert_parallel ({ep}) >= "
+            f"npu_nums_per_device ({p.npu_nums_per_device})"
+        )
+    return ParallelDims(
+        world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep,
+        data_parallel=data_parallel, ulysses_degree=ulysses, num_accumulation_steps=accumulation,
+        reshard_after_forward=reshard, virtual_stages=virtual, stage_layers=stage_layers,
+    )
+
+
+def _check_cp(p: ParallelismConfig, m: ModelFacts, d: DataFacts, cp: int) -> int:
+    method = p.context_parallel_method
+    if method not in _CP_METHODS:
+        raise ValueError(f"context_parallel_method must be one of {_CP_METHODS}, got {method!r}")
+    u = p.ulysses_degree_in_cp
+    if method == "colossal":
+        ulysses = 1
+    elif method == "ulysses":
+        ulysses = cp if u is None else u
+        if ulysses != cp:
+            raise ValueError(
+                f"context_parallel_method ulysses needs ulysses_degree_in_cp == context_parallel, got "
+                f"ulysses_degree_in_cp {ulysses} and context_parallel {cp}"
+            )
+    else:
+        if u is None:
+            raise ValueError("context_parallel_method hybrid needs ulysses_degree_in_cp to be set")
+        if not (1 < u < cp) or cp % u != 0:
+            raise ValueError(
+                f"context_parallel_method hybrid needs 1 < ulysses_degree_in_cp < context_parallel and "
+                f"context_parallel % ulysses_degree_in_cp == 0, got ulysses_degree_in_cp {u} and context_parallel {cp}"
+            )
+        ulysses = u
+    if p.context_parallel_async and method in ("ulysses", "hybrid"):
+        if m.num_attention_heads is None:
+            raise ValueError("context_parallel_async with ulysses needs model.num_attention_heads to check divisibility")
+        if m.num_attention_heads % ulysses != 0:
+            raise ValueError(
+                f"context_parallel_async with ulysses needs num_attention_heads % ulysses_degree == 0, got "
+                f"num_attention_heads {m.num_attention_heads} and ulysses degree {ulysses}"
+            )
+    if cp > 1:
+        if p.context_parallel_mask_type != "causal":
+            raise NotImplementedError(
+                f"context_parallel_mask_type {p.context_parallel_mask_type!r} is not supported: CP input "
+                f"preparation supports only 'causal'"
+            )
+        eod_ok = d.create_compressed_eod_mask and not d.create_attention_mask
+        if not (m.use_attn_mask_compression or eod_ok):
+            raise ValueError(
+                "Context parallel (context_parallel > 1) requires a compressed attention mask. Please enable "
+                "use_attn_mask_compression for non-eod data, or create_compressed_eod_mask for eod data "
+                "(with create_attention_mask: false)."
+            )
+    return ulysses
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def _stage_layers(p: ParallelismConfig, m: ModelFacts, pp: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+    spec = p.pipeline_parallel_layers_per_stage
+    layers = m.num_hidden_layers
+    if spec is None:
+        raise ValueError(
+            "pipeline_parallel > 1 needs pipeline_parallel_layers_per_stage: 'auto' or a list of layer ranges per stage"
+        )
+    if layers is None:
+        raise ValueError("pipeline_parallel_layers_per_stage needs model.num_hidden_layers to place layers")
+    if spec == "auto":
+        if layers % virtual != 0:
+            raise ValueError(
+                f"pipeline_parallel_layers_per_stage auto needs num_hidden_layers ({layers}) divisible by "
+                f"pipeline_parallel*interleave_num ({virtual}); list each stage's layer ranges explicitly instead"
+            )
+        per = layers // virtual
+        return tuple(tuple(range(v * per, (v + 1) * per)) for v in range(virtual))
+    if not isinstance(spec, list) or len(spec) != pp:
+        raise ValueError(
+            f"pipeline_parallel_layers_per_stage must be 'auto' or a list of {pp} entries (one per stage), got {spec!r}"
+        )
+    interleave = p.pipeline_parallel_interleave_num
+    by_virtual: dict[int, tuple[int, ...]] = {}
+    for stage, entry in enumerate(spec):
+        segments = str(entry).split(",")
+        if len(segments) != interleave:
+            raise ValueError(
+                f"pipeline_parallel_layers_per_stage[{stage}] = {entry!r} has {len(segments)} range(s); "
+                f"it needs pipeline_parallel_interleave_num = {interleave}"
+            )
+        for k, seg in enumerate(segments):
+            match = _RANGE.match(seg)
+            if match is None:
+                raise ValueError(f"pipeline_parallel_layers_per_stage[{stage}]: {seg.strip()!r} is not 'n' or 'start-end'")
+            start = int(match.group(1))
+            end = int(match.group(2)) if match.group(2) is not None else start
+            if end < start:
+                raise ValueError(f"pipeline_parallel_layers_per_stage[{stage}]: range {seg.strip()!r} ends before it starts")
+            by_virtual[k * pp + stage] = tuple(range(start, end + 1))
+    order = [layer for v in range(virtual) for layer in by_virtual[v]]
+    if order != list(range(layers)):
+        raise ValueError(
+            f"pipeline_parallel_layers_per_stage must cover layers 0-{layers - 1} exactly once in increasing "
+            f"order by virtual stage; got {order}"
+        )
+    return tuple(by_virtual[v] for v in range(virtual))
