@@ -1,1 +1,3 @@
-"""hp_models: ready models and plans (see issue 6)."""
+"""hp_models: ready models and their tensor-parallel plans (Qwen3.5)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,21 @@
+"""Qwen3.5 dense text model, its tensor-parallel plan and its HF checkpoint adapter."""
+
+from hp_models.qwen3_5.config import Qwen3_5Config, reference_config, tiny_config
+from hp_models.qwen3_5.model import Qwen3_5ForCausalLM
+from hp_models.qwen3_5.parallelize import check_tp_size, parallelize_qwen3_5_tp
+from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
+from hp_protocols import ModelSpec, register_model_spec
+
+MODEL_SPEC = register_model_spec(
+    ModelSpec(
+        name="qwen3_5",
+        model=tiny_config(),
+        parallelize_fn=parallelize_qwen3_5_tp,
+        state_dict_adapter=Qwen3_5StateDictAdapter,
+    )
+)
+
+__all__ = [
+    "MODEL_SPEC", "Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5StateDictAdapter", "check_tp_size",
+    "parallelize_qwen3_5_tp", "reference_config", "tiny_config",
+]

@@ -1,0 +1,133 @@
+"""The tensor-parallel plan of Qwen3.5 (seed 000 §1).
+
+With sequence parallelism, activations between blocks are DTensors sharded on the sequence
+(``Shard(1)``): norms run on their shard, each token mixer and MLP gathers the sequence at entry
+(``PrepareModuleInput``), projections are column-parallel by head, and the row-parallel output
+projections reduce-scatter straight back to ``Shard(1)``.  Linear-attention layers are split by
+head too: their conv weights and per-head parameters are sharded like the projections, so no
+head is ever gathered.  ``lm_head`` keeps the vocab sharded for loss parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_dtensor import DeviceMesh, Replicate, Shard
+from hp_dtensor.platform import current as _platform
+from hp_models.qwen3_5.config import Qwen3_5Config
+from hp_tp import (
+    ColwiseParallel,
+    NoParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def check_tp_size(config: Qwen3_5Config, tp: int) -> None:
+    """Raise ``ValueError`` naming every size that ``tp`` does not divide."""
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+    }
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        detail = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ValueError(f"tp={tp} does not divide {detail}; pick a tp that divides all of them")
+
+
+def parallelize_qwen3_5_tp(
+    model: Any, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> Any:
+    """Apply the plan in place on a 1-D ``tp_mesh``; returns the model.
+
+    The model's forward then takes ``input_ids`` replicated on every rank and returns logits as a
+    DTensor: ``Shard(-1)`` over the vocab when ``loss_parallel`` (use ``hp_tp.loss_parallel()``
+    for the loss), else ``Replicate()``."""
+    config: Qwen3_5Config = model.config
+    tp = tp_mesh.size()
+    check_tp_size(config, tp)
+    if config.tie_word_embeddings and loss_parallel:
+        raise ValueError("tied embeddings cannot be split both by vocab rows and columns; use loss_parallel=False")
+    seq = Shard(1) if sequence_parallel else Replicate()
+
+    def norm() -> ParallelStyle:
+        if sequence_parallel:
+            return SequenceParallel()
+        return NoParallel(use_local_output=False)
+
+    top: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
+        "model.norm": norm(),
+        "lm_head": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=False,
+        ),
+    }
+    parallelize_module(model, tp_mesh, top)
+    for layer in model.model.layers:
+        plan: dict[str, ParallelStyle] = {
+            "input_layernorm": norm(),
+            "post_attention_layernorm": norm(),
+            "mlp": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        }
+        if layer.layer_type == "full_attention":
+            plan.update({
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                "self_attn.o_proj": RowwiseParallel(
+                    output_layouts=seq, use_local_output=False, reduce_dtype=_reduce_dtype(model)
+                ),
+            })
+        else:
+            plan.update({
+                "linear_attn": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
+                "linear_attn.in_proj_q": ColwiseParallel(),
+                "linear_attn.in_proj_k": ColwiseParallel(),
+                "linear_attn.in_proj_v": ColwiseParallel(),
+                "linear_attn.in_proj_z": ColwiseParallel(),
+                "linear_attn.in_proj_b": ColwiseParallel(),
+                "linear_attn.in_proj_a": ColwiseParallel(),
+                "linear_attn.out_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+        if layer.layer_type == "linear_attention":
+            _shard_linear_attention_by_head(layer.linear_attn, tp_mesh)
+    return model
+
+
+def _reduce_dtype(model: Any) -> Any:
+    # Low-precision models reduce the attention output in fp32 (seed 000 §1); fp32 models need nothing.
+    dtype = next(model.parameters()).dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _shard_linear_attention_by_head(mixer: Any, tp_mesh: DeviceMesh) -> None:
+    """Conv weights and per-head parameters split by head like the projections feeding them
+    (channels are head-major, so ``Shard(0)`` gives each rank whole heads); the gated norm, which
+    acts within a head, replicated."""
+    plat = _platform()
+    for name in ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log"):
+        param = getattr(mixer, name)
+        plat.set_param(mixer, name, plat.distribute_tensor(param.data, tp_mesh, [Shard(0)]))
+    norm = mixer.norm
+    plat.set_param(norm, "weight", plat.distribute_tensor(norm.weight.data, tp_mesh, [Replicate()]))
