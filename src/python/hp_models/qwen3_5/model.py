@@ -86,8 +86,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(pos, self.inv_freq)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        pos = torch.arange(seq_len, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(pos, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # (1, 1, S, rotary_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

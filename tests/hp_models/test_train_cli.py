@@ -1,0 +1,57 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
+"""The train command: bad flags fail at once, a short tp=2 run learns and matches tp=1, writes its
+outputs, and an interrupted run resumes with the same losses."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hp_models import train
+
+SHORT = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--tp", "3"], ["tp=3 does not divide", "num_attention_heads=8"]),
+    (["--config", "/nonexistent/config.json"], ["does not exist"]),
+    (["--seq-len", "15"], ["--seq-len 15", "--tp 2"]),
+    (["--resume", "--checkpoint-dir", "/nonexistent/ckpt"], ["no checkpoint"]),
+])
+def test_bad_flags_fail_before_starting(argv: list[str], words: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        train.main(argv)
+    assert all(w in str(info.value.code) for w in words), info.value.code
+
+
+def test_world_size_mismatch(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as info:
+        train.main(["--tp", "2"])
+    assert "WORLD_SIZE=4" in str(info.value.code) and "torchrun --nproc-per-node 2" in str(info.value.code)
+
+
+def test_bad_numbers_are_argparse_errors(capsys) -> None:
+    with pytest.raises(SystemExit):
+        train.main(["--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_short_run_learns_matches_tp1_and_resumes(tmp_path) -> None:
+    full = tmp_path / "full"
+    assert train.main(["--steps", "12", "--checkpoint-every", "6", "--out-dir", str(full), "--compare-single", *SHORT]) == 0
+    log = json.loads((full / "log.json").read_text())
+    losses = log["losses"]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert log["max_loss_diff_vs_single"] < 1e-4
+    assert (full / "loss.png").stat().st_size > 1000
+    assert {"model.safetensors", "config.json", "state.json", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(
+        os.listdir(full / "checkpoint"))
+    # interrupted after 6 steps, then resumed to 12: the same losses, bit for bit
+    part = tmp_path / "part"
+    assert train.main(["--steps", "6", "--checkpoint-every", "6", "--out-dir", str(part), *SHORT]) == 0
+    assert train.main(["--steps", "12", "--checkpoint-every", "6", "--out-dir", str(part), "--resume", *SHORT]) == 0
+    resumed = json.loads((part / "log.json").read_text())
+    assert resumed["resumed_from_step"] == 6 and resumed["losses"] == losses
