@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any
 
 from hp_dtensor.testing import RankPool
 

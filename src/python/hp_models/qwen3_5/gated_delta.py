@@ -17,6 +17,21 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _heads_first(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Shared preparation: expand key heads over their value heads, move heads before the
+    sequence, go to fp32, L2-normalize q and k and scale q by ``Dk ** -0.5``."""
+    n_rep = v.shape[2] // k.shape[2]
+    if n_rep > 1:
+        q = q.repeat_interleave(n_rep, dim=2)
+        k = k.repeat_interleave(n_rep, dim=2)
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()
+    q = l2_normalize(q) * q.shape[-1] ** -0.5
+    return q, l2_normalize(k), v, g, beta
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64
 ) -> torch.Tensor:
@@ -26,15 +41,7 @@ def chunk_gated_delta_rule(
     are L2-normalized and q scaled by ``Dk ** -0.5``; the math runs in fp32."""
     out_dtype = q.dtype
     seq = q.shape[1]
-    n_rep = v.shape[2] // k.shape[2]
-    if n_rep > 1:
-        q = q.repeat_interleave(n_rep, dim=2)
-        k = k.repeat_interleave(n_rep, dim=2)
-    # (B, H, S, D) in fp32
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()
-    q = l2_normalize(q) * q.shape[-1] ** -0.5
-    k = l2_normalize(k)
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, S, D) in fp32
 
     pad = (chunk_size - seq % chunk_size) % chunk_size
     if pad:
@@ -80,14 +87,7 @@ def recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """The same rule one step at a time (the definition; used to test the chunked form)."""
     out_dtype = q.dtype
-    n_rep = v.shape[2] // k.shape[2]
-    if n_rep > 1:
-        q = q.repeat_interleave(n_rep, dim=2)
-        k = k.repeat_interleave(n_rep, dim=2)
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()
-    q = l2_normalize(q) * q.shape[-1] ** -0.5
-    k = l2_normalize(k)
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     b, h, s, dk = k.shape
     state = q.new_zeros(b, h, dk, v.shape[-1])
     outs = []
