@@ -1,0 +1,93 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index"
+"""Mesh start-up outside the harness: the default group from torchrun's variables, clear errors
+for a missing launcher or device, and CommDebugMode's per-module counts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, **env, "GLOO_SOCKET_IFNAME": "lo"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)
+
+
+def test_default_group_starts_from_torchrun_variables() -> None:
+    code = (
+        "from hp_dtensor import init_device_mesh, Shard, distribute_tensor\n"
+        "import torch\n"
+        "mesh = init_device_mesh('cpu', (1,), mesh_dim_names=('tp',))\n"
+        "d = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])\n"
+        "print('ok', mesh.get_coordinate(), d.full_tensor().tolist())\n"
+    )
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    out = _run(code, env)
+    assert "ok (0,) [0.0, 1.0, 2.0, 3.0]" in out.stdout, out.stderr
+
+
+def test_missing_launcher_variables_say_what_to_do() -> None:
+    code = "from hp_dtensor import init_device_mesh\ninit_device_mesh('cpu', (2,))\n"
+    env = {k: "" for k in ()}
+    out = _run(code, {**env})
+    assert "launch with torchrun" in out.stderr and "RANK" in out.stderr
+
+
+def test_unavailable_device_says_what_to_install() -> None:
+    import torch
+
+    from hp_dtensor.platform.torch.process_group import backend_for
+
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA build of torch"):
+            backend_for("cuda")
+    with pytest.raises(RuntimeError, match="torch_npu"):
+        backend_for("npu")
+    with pytest.raises(ValueError, match="'tpu'"):
+        backend_for("tpu")
+
+
+def test_platform_selection_errors(monkeypatch) -> None:
+    from hp_dtensor.platform import platform_name
+
+    monkeypatch.setenv("HYPER_PARALLEL_PLATFORM", "jax")
+    with pytest.raises(ValueError, match="'jax'"):
+        platform_name()
+    monkeypatch.setenv("HYPER_PARALLEL_PLATFORM", "torch")
+    assert platform_name() == "torch"
+
+
+def test_comm_counts_by_module() -> None:
+    import torch
+    from torch import nn
+
+    from hp_dtensor import CommDebugMode, Replicate, Shard, init_device_mesh
+    from hp_dtensor.platform.torch import distribute_tensor
+    from hp_dtensor.testing import fake_world
+
+    class Gather(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.redistribute(x.device_mesh, [Replicate()])
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Identity(), Gather())
+        comm = CommDebugMode()
+        comm.track_module(model)
+        x = distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)], src_data_rank=None)
+        with comm:
+            model(x)
+            x.full_tensor()  # outside any module
+        assert comm.get_comm_counts_by_module() == {"1": {"all_gather": 1}}
+        assert comm.get_comm_counts() == {"all_gather": 2}
