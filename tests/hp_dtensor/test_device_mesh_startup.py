@@ -39,8 +39,7 @@ def test_default_group_starts_from_torchrun_variables() -> None:
 
 def test_missing_launcher_variables_say_what_to_do() -> None:
     code = "from hp_dtensor import init_device_mesh\ninit_device_mesh('cpu', (2,))\n"
-    env = {k: "" for k in ()}
-    out = _run(code, {**env})
+    out = _run(code, {})
     assert "launch with torchrun" in out.stderr and "RANK" in out.stderr
 
 
