@@ -82,27 +82,59 @@ _CONTAINERS = (list, tuple, dict)
 
 
 class _SimpleSpec:
-    """Flat args and kwargs (no nested containers): flatten/unflatten without pytree's cost."""
+    """Args and kwargs nested at most one level in lists/tuples (what aten ops take): flatten and
+    unflatten without pytree's generic (and slower) machinery.  ``shape`` holds, per argument,
+    None for a leaf or (type, length) for a list/tuple of leaves."""
 
-    __slots__ = ("n_args", "keys")
+    __slots__ = ("arg_shape", "keys", "kw_shape")
 
-    def __init__(self, n_args: int, keys: tuple[str, ...]) -> None:
-        self.n_args = n_args
+    def __init__(self, arg_shape: tuple[Any, ...], keys: tuple[str, ...], kw_shape: tuple[Any, ...]) -> None:
+        self.arg_shape = arg_shape
         self.keys = keys
+        self.kw_shape = kw_shape
+
+    @staticmethod
+    def _take(flat: list[Any], pos: int, shape: tuple[Any, ...]) -> tuple[list[Any], int]:
+        out = []
+        for item in shape:
+            if item is None:
+                out.append(flat[pos])
+                pos += 1
+            else:
+                typ, n = item
+                out.append(typ(flat[pos : pos + n]))
+                pos += n
+        return out, pos
 
     def unflatten(self, flat: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        n = self.n_args
-        return tuple(flat[:n]), dict(zip(self.keys, flat[n:]))
+        args, pos = self._take(flat, 0, self.arg_shape)
+        kwargs, _ = self._take(flat, pos, self.kw_shape)
+        return tuple(args), dict(zip(self.keys, kwargs))
+
+
+def _flatten_values(values: Any, flat: list[Any]) -> tuple[Any, ...] | None:
+    shape: list[Any] = []
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            if type(v) not in (list, tuple) or any(isinstance(x, _CONTAINERS) for x in v):
+                return None
+            flat.extend(v)
+            shape.append((type(v), len(v)))
+        elif isinstance(v, dict):
+            return None
+        else:
+            flat.append(v)
+            shape.append(None)
+    return tuple(shape)
 
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    for a in args:
-        if isinstance(a, _CONTAINERS):
-            return pytree.tree_flatten((args, kwargs))
-    for v in kwargs.values():
-        if isinstance(v, _CONTAINERS):
-            return pytree.tree_flatten((args, kwargs))
-    return [*args, *kwargs.values()], _SimpleSpec(len(args), tuple(kwargs))
+    flat: list[Any] = []
+    arg_shape = _flatten_values(args, flat)
+    kw_shape = _flatten_values(kwargs.values(), flat) if arg_shape is not None else None
+    if arg_shape is None or kw_shape is None:
+        return pytree.tree_flatten((args, kwargs))
+    return flat, _SimpleSpec(arg_shape, tuple(kwargs), kw_shape)
 
 
 def _unflatten(flat: list[Any], spec: Any) -> Any:
@@ -226,12 +258,12 @@ def _run(
             return next(dt_locals) if isinstance(x, TensorInfo) else x
 
         if decision.args is not None:
-            local_args = pytree.tree_map(fill, decision.args)
+            local_args = _map_leaves(fill, decision.args)
         else:
             for _ in (x for x in pytree.tree_leaves(args) if isinstance(x, DTensor)):
                 next(dt_locals)
         if decision.kwargs is not None:
-            local_kwargs = pytree.tree_map(fill, decision.kwargs)
+            local_kwargs = _map_leaves(fill, decision.kwargs)
     if decision.kernel is not None:
         out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
     else:
@@ -250,6 +282,16 @@ def _run(
             self_dt._local_tensor.copy_(new_local)
         return self_dt
     return _wrap(out, mesh, decision)
+
+
+def _map_leaves(fn: Any, tree: Any) -> Any:
+    if isinstance(tree, tuple):
+        return tuple(_map_leaves(fn, x) for x in tree)
+    if isinstance(tree, list):
+        return [_map_leaves(fn, x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _map_leaves(fn, v) for k, v in tree.items()}
+    return fn(tree)
 
 
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
