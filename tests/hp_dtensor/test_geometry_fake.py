@@ -39,3 +39,18 @@ def test_non_divisible_mesh_shape_is_rejected() -> None:
     with fake_world(8):
         with pytest.raises(ValueError, match="needs 12 ranks but the world has 8"):
             init_device_mesh("cpu", (3, 4))
+
+
+def test_vocab_sharded_on_two_mesh_dims_is_rejected() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from hp_dtensor.platform.torch import distribute_tensor
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        table = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0), Shard(0)], src_data_rank=None)
+        ids = distribute_tensor(torch.zeros(2, 3, dtype=torch.long), mesh, [Replicate(), Replicate()],
+                                src_data_rank=None)
+        with pytest.raises(NotImplementedError, match="more than one mesh dim"):
+            F.embedding(ids, table)

@@ -167,3 +167,19 @@ def test_current_mesh_from_context(mesh2) -> None:
 def test_no_mesh_anywhere_is_value_error() -> None:
     with pytest.raises(ValueError, match="needs a device_mesh"):
         parallelize_module(nn.Linear(4, 4), None, ColwiseParallel())
+
+
+def test_loss_parallel_unsupported_inputs_fail_closed(mesh2) -> None:
+    import torch.nn.functional as F
+
+    from hp_dtensor.platform.torch import distribute_tensor
+    from hp_tp import loss_parallel
+
+    logits = distribute_tensor(torch.randn(4, 8), mesh2, [Shard(-1)], src_data_rank=None)
+    target = torch.tensor([1, 2, 3, 4])
+    with loss_parallel():
+        with pytest.raises(NotImplementedError, match="class weights"):
+            F.cross_entropy(logits, target, weight=torch.ones(8))
+        flat = distribute_tensor(torch.randn(8), mesh2, [Shard(0)], src_data_rank=None)
+        with pytest.raises(NotImplementedError, match=r"flattened to \(tokens, vocab\)"):
+            F.cross_entropy(flat, torch.tensor(3))

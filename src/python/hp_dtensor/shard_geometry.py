@@ -42,6 +42,17 @@ def local_shape(
     return tuple(shape)
 
 
+def global_shape(
+    local: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
+) -> tuple[int, ...]:
+    """Inverse of ``local_shape`` under even sharding."""
+    shape = list(local)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh_shape[mesh_dim]
+    return tuple(shape)
+
+
 def local_offset(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],

@@ -81,16 +81,18 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
     def load_into(self, model: Any, path: str) -> list[str]:
         """Copy the checkpoint in ``path`` into ``model`` in place, reading from disk only the slice
         of each tensor this rank holds.  Returns the HF names read (for checks)."""
+        from contextlib import ExitStack
+
         from safetensors import safe_open
 
-        files = _checkpoint_files(path)
-        where: dict[str, str] = {}
-        for f in files:
-            with safe_open(f, framework="pt") as h:
-                for k in h.keys():  # noqa: SIM118  (safe_open handles are not mappings)
-                    where[_strip(k)] = f
         read: list[str] = []
-        with torch.no_grad():
+        with ExitStack() as stack, torch.no_grad():
+            # Each file is opened once; tensors are found by their prefix-free HF name.
+            where: dict[str, tuple[Any, str]] = {}
+            for f in _checkpoint_files(path):
+                handle = stack.enter_context(safe_open(f, framework="pt"))
+                for name in handle.keys():  # noqa: SIM118  (safe_open handles are not mappings)
+                    where[_strip(name)] = (handle, name)
             for key, param in model.state_dict(keep_vars=True).items():
                 hf_key, offset = self.hf_source(key)
                 if hf_key not in where and key == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -98,10 +100,8 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                 if hf_key not in where:
                     raise KeyError(f"checkpoint in {path!r} has no tensor {hf_key!r} (for {key!r})")
                 local = param._local_tensor if isinstance(param, DTensor) else param
-                index = _local_index(param, offset)
-                with safe_open(where[hf_key], framework="pt") as h:
-                    name = next(n for n in h.keys() if _strip(n) == hf_key)  # noqa: SIM118
-                    piece = h.get_slice(name)[index]
+                handle, name = where[hf_key]
+                piece = handle.get_slice(name)[_local_index(param, offset)]
                 if hf_key.endswith("conv1d.weight"):
                     piece = piece.squeeze(1)
                 if tuple(piece.shape) != tuple(local.shape):

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.placement_types import Placement, Replicate, Shard
+from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
+from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 aten = torch.ops.aten
@@ -156,6 +157,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     flat, treespec = _flatten(args, kwargs)
     mesh = None
+    has_plain = False
     key_parts: list[Any] = [func]
     for leaf in flat:
         if isinstance(leaf, DTensor):
@@ -171,18 +173,21 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                     f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
                     f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
                 )
-            key_parts.append(("plain", tuple(leaf.shape)) if leaf.ndim else "scalar-tensor")
+            if leaf.ndim:
+                has_plain = True
+                key_parts.append(("plain", tuple(leaf.shape)))
+            else:
+                key_parts.append("scalar-tensor")
         else:
             key_parts.append(leaf)
     assert mesh is not None
-    if any(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim for x in flat):
+    if has_plain:
         flat = _as_dtensors(flat, mesh)
+    key: Any = tuple(key_parts)
     try:
-        key: Any = tuple(key_parts)
-        hash(key)
-    except TypeError:
-        key = None
-    cached = _cache.get(key) if key is not None else None
+        cached = _cache.get(key)
+    except TypeError:  # an unhashable argument: decide every time
+        key, cached = None, None
     if cached is None:
         cached = _decide(func, flat, treespec, mesh)
         if key is not None:
@@ -297,11 +302,7 @@ def _map_leaves(fn: Any, tree: Any) -> Any:
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
     if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
         pl = decision.outputs[0]
-        glob = list(out.shape)
-        for k, p in enumerate(pl):
-            if isinstance(p, Shard):
-                glob[p.dim] *= mesh.shape[k]
-        return DTensor(out, DTensorSpec(mesh, pl, tuple(glob)))
+        return DTensor(out, DTensorSpec(mesh, pl, global_shape(out.shape, mesh.shape, pl)))
     flat, spec = pytree.tree_flatten(out)
     res = []
     j = 0
@@ -313,11 +314,7 @@ def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
             if leaf_pl is None:
                 res.append(leaf)
                 continue
-            glob = list(leaf.shape)
-            for k, p in enumerate(leaf_pl):
-                if isinstance(p, Shard):
-                    glob[p.dim] *= mesh.shape[k]
-            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, tuple(glob))))
+            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, global_shape(leaf.shape, mesh.shape, leaf_pl))))
         else:
             if leaf is None:
                 j += 1
@@ -336,6 +333,3 @@ def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return None
     return [r[0] for r in results]
 
-
-def placements_of(t: Any) -> tuple[Placement, ...] | None:
-    return t._spec.placements if isinstance(t, DTensor) else None

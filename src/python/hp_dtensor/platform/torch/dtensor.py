@@ -16,7 +16,7 @@ from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
-from hp_dtensor.shard_geometry import check_even_sharding, local_shape
+from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
 
 
 class DTensorSpec:
@@ -164,11 +164,7 @@ class DTensor(torch.Tensor):
         if run_check:
             _check_equal_local_shapes(local_tensor, mesh)
         if shape is None:
-            glob = list(local_tensor.shape)
-            for k, p in enumerate(pl):
-                if isinstance(p, Shard):
-                    glob[p.dim] *= mesh.shape[k]
-            gshape = tuple(glob)
+            gshape = global_shape(local_tensor.shape, mesh.shape, pl)
         else:
             gshape = tuple(int(s) for s in shape)
             check_even_sharding(gshape, mesh.shape, pl)
@@ -245,14 +241,6 @@ def distribute_tensor(
             local = local.clone()
     out = DTensor(local, DTensorSpec(mesh, pl, gshape), requires_grad=requires_grad)
     return out
-
-
-def shape_of_local(local: torch.Tensor, mesh: DeviceMesh, pl: tuple[Placement, ...]) -> tuple[int, ...]:
-    glob = list(local.shape)
-    for k, p in enumerate(pl):
-        if isinstance(p, Shard):
-            glob[p.dim] *= mesh.shape[k]
-    return tuple(glob)
 
 
 __all__ = ["DTensor", "DTensorSpec", "distribute_tensor"]
