@@ -13,43 +13,11 @@ from typing import Any
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh
+from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
 from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
-
-
-class DTensorSpec:
-    """Mesh, placements and global shape of a DTensor; immutable, with its hash computed once
-    because dispatch uses specs as cache keys on every op."""
-
-    __slots__ = ("mesh", "placements", "shape", "_hash")
-
-    def __init__(self, mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...]) -> None:
-        self.mesh = mesh
-        self.placements = placements
-        self.shape = shape
-        self._hash = hash((mesh, placements, shape))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        return (
-            isinstance(other, DTensorSpec)
-            and self._hash == other._hash
-            and self.placements == other.placements
-            and self.shape == other.shape
-            and self.mesh == other.mesh
-        )
-
-    def __repr__(self) -> str:
-        return f"DTensorSpec({self.mesh}, {self.placements}, {self.shape})"
-
-    def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.shape, self.mesh.shape, self.placements)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
