@@ -42,8 +42,4 @@ def platform_name() -> str:
 def current() -> ModuleType:
     """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``)."""
     name = platform_name()
-    if name == "mindspore":
-        raise NotImplementedError(
-            "the MindSpore backend is not available yet; set HYPER_PARALLEL_PLATFORM=torch"
-        )
     return importlib.import_module(f"hp_dtensor.platform.{name}")

@@ -1,8 +1,10 @@
 """``RankPool``: N real ranks started once, running many test functions.
 
-Each rank is a spawned process with its own default process group (gloo on CPU) rendezvousing on
-a ``FileStore`` in a fresh temporary folder, so no port is chosen and parallel test files never
-collide.  ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
+Each rank is a spawned process with its own default process group.  On torch (gloo on CPU) ranks
+rendezvous on a ``FileStore`` in a fresh temporary folder, so no port is chosen and parallel test
+files never collide.  On MindSpore the pool also starts the scheduler process MindSpore's launcher
+would (``MS_ROLE=MS_SCHED``) on a port the OS hands out, and gives each rank the ``MS_*``
+variables ``msrun`` would set.  ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
 the list of results by rank.  An exception on any rank raises ``RankError`` with that rank's
 traceback; a case that outlives its timeout raises ``RankTimeout`` naming the ranks that did not
 finish, and the pool is restarted so later cases still run.  ``fn`` must be importable (a
@@ -15,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import time
 import traceback
@@ -31,6 +34,20 @@ class RankError(AssertionError):
 
 class RankTimeout(AssertionError):
     """A test function did not finish on every rank in time."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ms_scheduler_main(env: dict[str, str]) -> None:
+    """MindSpore's scheduler role: serves the workers' rendezvous until they are done."""
+    os.environ.update(env)
+    from mindspore.communication import init
+
+    init()
 
 
 def _rank_main(
@@ -73,6 +90,7 @@ class RankPool:
         self.start_timeout = start_timeout
         self.env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **(env or {})}
         self._procs: list[Any] = []
+        self._scheduler: Any = None
         self._tasks: list[Any] = []
         self._results: Any = None
         self._dir: str | None = None
@@ -87,10 +105,12 @@ class RankPool:
         store = os.path.join(self._dir, "store")
         self._results = _ctx.Queue()
         self._tasks = [_ctx.Queue() for _ in range(self.world_size)]
+        rank_env = self._launcher_env()
         for rank in range(self.world_size):
             p = _ctx.Process(
                 target=_rank_main,
-                args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results, self.env),
+                args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results,
+                      {**self.env, **rank_env(rank)}),
                 daemon=True,
             )
             p.start()
@@ -102,6 +122,23 @@ class RankPool:
             missing = sorted(set(range(self.world_size)) - set(ready))
             self.close(force=True)
             raise RankError(f"rank pool failed to start (ranks not up: {missing})\n{detail}")
+
+    def _launcher_env(self) -> Callable[[int], dict[str, str]]:
+        """Per-rank launcher variables: none on torch; the scheduler's address on MindSpore."""
+        from hp_dtensor.platform import platform_name
+
+        name = self.env.get("HYPER_PARALLEL_PLATFORM") or platform_name()
+        if name != "mindspore":
+            return lambda rank: {}
+        common = {
+            "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(_free_port()),
+            "MS_WORKER_NUM": str(self.world_size), "GLOG_v": os.environ.get("GLOG_v", "3"),
+            "HYPER_PARALLEL_PLATFORM": "mindspore",
+        }
+        self._scheduler = _ctx.Process(target=_ms_scheduler_main, args=({**self.env, **common, "MS_ROLE": "MS_SCHED"},),
+                                       daemon=True)
+        self._scheduler.start()
+        return lambda rank: {**common, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
 
     def close(self, force: bool = False) -> None:
         for i, p in enumerate(self._procs):
@@ -116,6 +153,12 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self._scheduler is not None:
+            self._scheduler.join(timeout=max(0.0, deadline - time.monotonic()) + 2)
+            if self._scheduler.is_alive():
+                self._scheduler.kill()
+                self._scheduler.join(timeout=5)
+            self._scheduler = None
         self._procs = []
         self._tasks = []
         self._results = None
@@ -176,13 +219,13 @@ class RankPool:
         return [got[r][1] for r in range(self.world_size)]
 
 
-def rank_pool_fixture(world_size: int, *, timeout: float = 60.0) -> Any:
+def rank_pool_fixture(world_size: int, *, timeout: float = 60.0, env: dict[str, str] | None = None) -> Any:
     """A module-scoped pytest fixture yielding a started ``RankPool``: ranks start once per module."""
     import pytest  # pants: no-infer-dep  (pytest is only needed by test suites using this fixture)
 
     @pytest.fixture(scope="module")
     def _pool() -> Iterator[RankPool]:
-        pool = RankPool(world_size, timeout=timeout)
+        pool = RankPool(world_size, timeout=timeout, env=env)
         try:
             yield pool
         finally:

@@ -1,0 +1,60 @@
+"""The MindSpore backend of the platform layer (PyNative mode; mccl on CPU, hccl on Ascend)."""
+
+from typing import Any
+
+from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
+from hp_dtensor.platform.mindspore.modules import (
+    Module,
+    ModuleDict,
+    ModuleList,
+    Parameter,
+    Sequential,
+    direct_buffers,
+    direct_params,
+    is_embedding_module,
+    is_linear_module,
+    is_module,
+    is_tensor,
+    named_children,
+    named_modules,
+    numel,
+    register_forward_hook,
+    register_forward_pre_hook,
+    set_buffer,
+    set_param,
+    track_module_forward,
+)
+from hp_dtensor.platform.mindspore.process_group import (
+    destroy,
+    ensure_process_group,
+    get_or_create_group,
+    get_rank,
+    get_world_size,
+    init_fake,
+    init_with_file_store,
+    is_initialized,
+)
+
+NAME = "mindspore"
+
+
+def set_num_threads(n: int) -> None:
+    """MindSpore sizes its CPU thread pool from the context; nothing to do per process."""
+
+
+def loss_parallel(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError(
+        "loss_parallel is not available on the MindSpore backend yet; gather the logits with "
+        "ColwiseParallel(use_local_output=True, output_layouts=Replicate()) and use a plain loss"
+    )
+
+
+__all__ = [
+    "NAME", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
+    "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
+    "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
+    "register_forward_pre_hook", "set_buffer", "set_param", "track_module_forward", "destroy",
+    "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
+    "init_with_file_store", "is_initialized", "set_num_threads", "loss_parallel",
+]

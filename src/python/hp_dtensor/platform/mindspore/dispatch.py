@@ -1,0 +1,236 @@
+"""Op dispatch for MindSpore DTensors: op name -> sharding rule -> local op.
+
+MindSpore hands every op that has a DTensor argument to ``DTensor.__fallback__`` with the op
+(``func.name`` is e.g. ``"MatMul"``) and its arguments.  As on torch, a decision is cached per
+(op, input specs, other arguments); the inputs are redistributed as it asks (differentiably), the
+op runs on local data with fallback off, and tensor outputs are wrapped with the placements the
+rule gave.  Because autograd runs on local tensors, a replicated input whose op gives ranks
+different outputs gets ``AllReduceGrad`` so its local gradient is whole (see ``redistribute.py``).
+An op without a rule replicates its inputs (correct, slower) and warns once naming the op.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from mindspore import Tensor
+from mindspore._c_expression import NoFallbackGuard
+
+from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.placement_types import Replicate
+from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, Redistribute
+from hp_dtensor.shard_geometry import global_shape
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+
+Rule = Callable[[OpCall], Decision]
+RULES: dict[str, Rule] = {}
+KERNELS: dict[str, Callable[..., Any]] = {}
+_cache: dict[Any, tuple[Decision, bool]] = {}
+_warned: set[str] = set()
+_CACHE_LIMIT = 16384
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    def deco(rule: Rule) -> Rule:
+        for name in names:
+            RULES[name] = rule
+        return rule
+
+    return deco
+
+
+def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        KERNELS[name] = fn
+        return fn
+
+    return deco
+
+
+def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
+    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them."""
+    flat: list[Any] = []
+    shape: list[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            flat.extend(a)
+            shape.append((type(a), len(a)))
+        else:
+            flat.append(a)
+            shape.append(None)
+    return flat, shape
+
+
+def _unflatten(flat: list[Any], shape: list[Any]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    pos = 0
+    for item in shape:
+        if item is None:
+            out.append(flat[pos])
+            pos += 1
+        else:
+            typ, n = item
+            out.append(typ(flat[pos : pos + n]))
+            pos += n
+    return tuple(out)
+
+
+def _key_of(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return tuple(_key_of(y) for y in x)
+    return x
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name = str(func.name)
+    flat, shape = _flatten(args)
+    kw_items = list(kwargs.items())
+    mesh = None
+    key_parts: list[Any] = [name]
+    for leaf in flat + [v for _, v in kw_items]:
+        if isinstance(leaf, DTensor):
+            spec = leaf._spec
+            if mesh is None:
+                mesh = spec.mesh
+            elif spec.mesh is not mesh and spec.mesh != mesh:
+                raise ValueError(f"{name}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
+            key_parts.append(spec)
+        elif isinstance(leaf, Tensor):
+            lshape = tuple(Tensor.shape.fget(leaf))
+            if lshape:
+                raise RuntimeError(
+                    f"{name}: got a mix of mindspore.Tensor (shape {lshape}) and DTensor arguments; make the "
+                    f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
+                )
+            key_parts.append("scalar-tensor")
+        else:
+            key_parts.append(_key_of(leaf))
+    assert mesh is not None
+    key_parts.extend(k for k, _ in kw_items)
+    key: Any = tuple(key_parts)
+    try:
+        cached = _cache.get(key)
+    except TypeError:  # an unhashable argument: decide every time
+        key, cached = None, None
+    if cached is None:
+        cached = _decide(name, flat, shape, kw_items, mesh)
+        if key is not None:
+            if len(_cache) > _CACHE_LIMIT:
+                _cache.clear()
+            _cache[key] = cached
+    decision, _ = cached
+    return _run(func, flat, shape, kw_items, mesh, decision)
+
+
+def _info(leaf: Any) -> Any:
+    return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
+
+
+def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]],
+            mesh: Any) -> tuple[Decision, bool]:
+    args = _unflatten([_info(x) for x in flat], shape)
+    kwargs = {k: _info(v) for k, v in kw_items}
+    call = OpCall(name, mesh.shape, args, kwargs)
+    rule = RULES.get(name)
+    if rule is None:
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"DTensor: no sharding rule for MindSpore op {name}; replicating its inputs (correct but slow)",
+                stacklevel=4,
+            )
+        rep = tuple(Replicate() for _ in mesh.shape)
+        return Decision(tuple(rep for _ in call.tensors()), (rep,)), True
+    return rule(call), False
+
+
+def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int, ...]:
+    """Mesh dims where ``req`` is Replicate but some output differs between ranks."""
+    return tuple(
+        k for k, p in enumerate(req)
+        if isinstance(p, Replicate) and any(o is not None and not isinstance(o[k], Replicate) for o in outputs)
+    )
+
+
+def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any,
+         decision: Decision) -> Any:
+    leaves = flat + [v for _, v in kw_items]
+    locals_: list[Any] = []
+    dt_locals: list[Any] = []
+    i = 0
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            spec = leaf._spec
+            target = decision.inputs[i]
+            local: Any = leaf
+            if target is not None and target != spec.placements:
+                local = Redistribute.apply(leaf, mesh, spec.shape, spec.placements, target)
+            req = target if target is not None else spec.placements
+            dims = _grad_sum_dims(req, decision.outputs)
+            if dims and leaf.is_floating_point():
+                local = AllReduceGrad.apply(local, mesh, dims)
+            locals_.append(local)
+            dt_locals.append(local)
+            i += 1
+        else:
+            locals_.append(leaf)
+    n_flat = len(flat)
+    local_args = _unflatten(locals_[:n_flat], shape)
+    local_kwargs = {k: v for (k, _), v in zip(kw_items, locals_[n_flat:])}
+    if decision.args is not None or decision.kwargs is not None:
+        # Rewritten arguments hold TensorInfo placeholders where the (redistributed) locals go.
+        it = iter(dt_locals)
+
+        def fill(x: Any) -> Any:
+            return next(it) if isinstance(x, TensorInfo) else x
+
+        if decision.args is not None:
+            local_args = _map_leaves(fill, decision.args)
+        else:
+            for _ in range(sum(isinstance(x, DTensor) for x in flat)):
+                next(it)
+        if decision.kwargs is not None:
+            local_kwargs = _map_leaves(fill, decision.kwargs)
+    with NoFallbackGuard():
+        if decision.kernel is not None:
+            out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
+        else:
+            out = func(*local_args, **local_kwargs)
+    return _wrap(out, mesh, decision)
+
+
+def _map_leaves(fn: Any, tree: Any) -> Any:
+    if isinstance(tree, tuple):
+        return tuple(_map_leaves(fn, x) for x in tree)
+    if isinstance(tree, list):
+        return [_map_leaves(fn, x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _map_leaves(fn, v) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _wrap_one(out: Tensor, mesh: Any, pl: Any) -> Any:
+    if pl is None:
+        return out
+    return DTensor(out, DTensorSpec(mesh, pl, global_shape(tuple(Tensor.shape.fget(out)), mesh.shape, pl)))
+
+
+def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
+    outs = decision.outputs
+    if isinstance(out, Tensor):
+        return _wrap_one(out, mesh, outs[0] if outs else None)
+    if isinstance(out, (list, tuple)):
+        res = []
+        j = 0
+        for leaf in out:
+            if isinstance(leaf, Tensor):
+                res.append(_wrap_one(leaf, mesh, outs[min(j, len(outs) - 1)] if outs else None))
+            else:
+                res.append(leaf)
+            j += 1
+        return type(out)(res)
+    return out

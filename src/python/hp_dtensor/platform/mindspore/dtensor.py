@@ -1,0 +1,232 @@
+"""``DTensor`` for MindSpore: a ``Tensor`` subclass whose data is this rank's shard.
+
+The object *is* the local tensor (``Tensor._make_subclass``), so MindSpore's autograd sees the
+local computation directly; ``shape`` reports the global shape.  Every MindSpore op on it reaches
+``__fallback__`` (see ``dispatch.py``), which redistributes inputs as the sharding rule asks and
+runs the op on local data.  ``Parameter(DTensor)`` keeps the subclass, so a sharded module
+parameter is a DTensor with placements and its gradient is the local one (see the gradient
+convention in ``redistribute.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+from mindspore._c_expression import NoFallbackGuard
+
+from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh
+from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
+from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.platform.mindspore.redistribute import Redistribute
+from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
+
+
+class DTensor(Tensor):  # type: ignore[misc]
+    """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
+
+    _spec: DTensorSpec
+
+    def __new__(cls, local_tensor: Any, spec: DTensorSpec | None = None) -> DTensor:
+        if spec is None:
+            if not isinstance(local_tensor, DTensor):
+                raise TypeError("DTensor(local, spec) needs a spec; use DTensor.from_local or distribute_tensor")
+            spec = local_tensor._spec  # Parameter(DTensor) re-creates the object from a DTensor
+        t = Tensor._make_subclass(cls, local_tensor)
+        t._spec = spec
+        return t  # type: ignore[no-any-return]
+
+    @classmethod
+    def __fallback__(cls, func: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from hp_dtensor.platform.mindspore.dispatch import dispatch
+
+        return dispatch(func, tuple(args), dict(kwargs or {}))
+
+    # ----- what the global tensor looks like -----
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    def __repr__(self) -> str:
+        return (f"DTensor(local_tensor={self.to_local()}, device_mesh={self._spec.mesh}, "
+                f"placements={self._spec.placements})")
+
+    __str__ = __repr__
+
+    def __getitem__(self, index: Any) -> Any:
+        raise NotImplementedError(
+            "indexing a MindSpore DTensor is not supported (it would read the local shard); "
+            "index .to_local() or .full_tensor() instead"
+        )
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise NotImplementedError(
+            "item assignment on a MindSpore DTensor is not supported; assign into .to_local() instead"
+        )
+
+    def asnumpy(self) -> np.ndarray:
+        raise RuntimeError(
+            "asnumpy() on a DTensor is ambiguous (local shard or whole tensor); call "
+            ".to_local().asnumpy() or .full_tensor().asnumpy()"
+        )
+
+    # ----- public API -----
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
+        """This rank's shard as a plain Tensor sharing data and autograd history."""
+        if grad_placements is not None:
+            raise NotImplementedError(
+                "to_local(grad_placements=...) is not supported on MindSpore: the local gradient's layout "
+                "follows the tensor's placements"
+            )
+        return Tensor._make_subclass(Tensor, self)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | Placement | None = None,
+        *,
+        async_op: bool = False,
+    ) -> DTensor:
+        """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
+        if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
+            device_mesh, placements = None, device_mesh
+        spec = self._spec
+        mesh = device_mesh or spec.mesh
+        if mesh != spec.mesh:
+            raise ValueError(f"redistribute across meshes is not supported: tensor is on {spec.mesh}, target {mesh}")
+        if placements is None:
+            raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
+        dst = normalize_placements(placements, mesh.ndim, len(spec.shape))
+        check_even_sharding(spec.shape, mesh.shape, dst)
+        if dst == spec.placements:
+            return self
+        out = Redistribute.apply(self, spec.mesh, spec.shape, spec.placements, dst)
+        return DTensor(out, DTensorSpec(spec.mesh, dst, spec.shape))
+
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
+        """The whole tensor on every rank (differentiable)."""
+        rep = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
+        return rep.to_local(grad_placements=grad_placements)
+
+    @staticmethod
+    def from_local(
+        local_tensor: Any,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | Placement | None = None,
+        *,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> DTensor:
+        """Wrap each rank's ``local_tensor`` as the shard of a DTensor (differentiable, no copy).
+
+        ``run_check=True`` checks with one all_gather of shapes that every rank's shard has the
+        same shape (even sharding), and raises ``ValueError`` naming the ranks that differ."""
+        mesh = device_mesh or get_current_mesh()
+        if mesh is None:
+            raise ValueError("from_local needs a device_mesh (or an active `with mesh:`)")
+        if isinstance(local_tensor, DTensor):
+            raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
+        if not isinstance(local_tensor, Tensor):
+            raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
+        if placements is None:
+            placements = [Replicate()] * mesh.ndim
+        lshape = tuple(Tensor.shape.fget(local_tensor))
+        pl = normalize_placements(placements, mesh.ndim, len(lshape))
+        if run_check:
+            _check_equal_local_shapes(lshape, mesh)
+        if shape is None:
+            gshape = global_shape(lshape, mesh.shape, pl)
+        else:
+            gshape = tuple(int(s) for s in shape)
+            check_even_sharding(gshape, mesh.shape, pl)
+            if local_shape(gshape, mesh.shape, pl) != lshape:
+                raise ValueError(
+                    f"local shape {lshape} does not match global shape {gshape} with placements {pl} "
+                    f"on mesh {mesh.shape}"
+                )
+        return DTensor(local_tensor, DTensorSpec(mesh, pl, gshape))
+
+
+def _check_equal_local_shapes(lshape: tuple[int, ...], mesh: DeviceMesh) -> None:
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    row = Tensor(np.array([list(lshape) + [len(lshape)]], np.float32))
+    for k in range(mesh.ndim):
+        with NoFallbackGuard():
+            rows = C.all_gather(row, 0, mesh.get_group(k), mesh.shape[k], coord[k]).asnumpy().astype(int).tolist()
+        if any(r != rows[0] for r in rows):
+            ranks = mesh.group_ranks(k)
+            detail = ", ".join(f"rank {r}: {tuple(x[:-1])}" for r, x in zip(ranks, rows))
+            raise ValueError(
+                f"from_local(run_check=True): local shards differ along mesh dim {k} ({detail}); "
+                f"only even sharding is supported"
+            )
+
+
+def distribute_tensor(
+    tensor: Any,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | Placement | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Lay ``tensor`` (the whole tensor, as seen by this rank) out on the mesh.
+
+    ``src_data_rank=0``: group-rank 0 of each mesh dim is the source and its values are broadcast
+    (MindSpore's CPU backend has no scatter), so other ranks may pass anything of the right shape;
+    ``None``: every rank slices its own copy, no collective.  A tensor whose data is not
+    materialized yet (``has_init``) never communicates."""
+    mesh = device_mesh or get_current_mesh()
+    if mesh is None:
+        raise ValueError("distribute_tensor needs a device_mesh (or an active `with mesh:`)")
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
+    gshape = tuple(Tensor.shape.fget(tensor))
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    pl = normalize_placements(placements, mesh.ndim, len(gshape))
+    check_even_sharding(gshape, mesh.shape, pl)
+    if getattr(tensor, "has_init", False):
+        tensor = tensor.init_data()
+        src_data_rank = None
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
+    with NoFallbackGuard():
+        local = C._plain(tensor)
+        for k, p in enumerate(pl):
+            n = mesh.shape[k]
+            if src_data_rank is not None and n > 1:
+                src_global = mesh.group_ranks(k)[src_data_rank]
+                local = C.broadcast(local, src_data_rank, mesh.get_group(k), n, coord[k], src_global)
+            if isinstance(p, Shard):
+                local = C._chunk(local, p.dim, n, coord[k])
+            elif isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0:
+                local = ops.zeros_like(local)
+        local = ops.deepcopy(local)
+    return DTensor(local, DTensorSpec(mesh, pl, gshape))
+
+
+def as_parameter(dt: DTensor, old: Any) -> Any:
+    """A ``Parameter`` holding ``dt`` (still a DTensor), with ``old``'s name and requires_grad."""
+    name = getattr(old, "name", None)
+    requires_grad = bool(getattr(old, "requires_grad", True))
+    return ms.Parameter(dt, name=name, requires_grad=requires_grad)
+
+
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor"]

@@ -1,0 +1,213 @@
+"""Which sharding rule each MindSpore op uses (importing this module registers them).
+
+The rules live in ``hp_dtensor.sharding`` and are shared with torch; this table is the
+MindSpore half: op names as ``__fallback__`` reports them, where their arguments sit, and the
+local kernels some rules need.  Primitive calls arrive as ``(prim, name, [inputs...])``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mindspore import Tensor, mint, ops
+
+from hp_dtensor.placement_types import Shard
+from hp_dtensor.platform.mindspore.dispatch import kernel, register
+from hp_dtensor.sharding.embedding import embedding_rule
+from hp_dtensor.sharding.matrix import einsum_rule
+from hp_dtensor.sharding.norms import layer_norm_rule, softmax_rule
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.pointwise import pointwise_rule
+from hp_dtensor.sharding.reductions import reduction_rule
+from hp_dtensor.sharding.views import cat_rule, permute_rule, transpose_rule, unsqueeze_rule, view_rule
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _prim_inputs(call: OpCall) -> tuple[Any, ...]:
+    """The inputs of a primitive call ``(prim, name, [inputs])``, or the args themselves."""
+    if len(call.args) == 3 and isinstance(call.args[1], str) and isinstance(call.args[2], (list, tuple)):
+        return tuple(call.args[2])
+    return call.args
+
+
+def _with_inputs(call: OpCall, inputs: tuple[Any, ...]) -> OpCall:
+    return OpCall(call.name, call.mesh_shape, inputs, call.kwargs)
+
+
+# ---------------------------------------------------------------- pointwise
+def _pw(linearity: str | None) -> Any:
+    def rule(call: OpCall) -> Decision:
+        return pointwise_rule(_with_inputs(call, _prim_inputs(call)), linearity=linearity)
+
+    return rule
+
+
+register("Add", "AddExt", "Sub", "SubExt", "AddN")(_pw("add"))
+register("Mul", "Muls", "Neg", "ToDtype", "Cast", "Contiguous", "Clone", "Identity", "Divs")(_pw("mul"))
+register("Div", "RealDiv")(_pw("div"))
+register(
+    "AddScalar", "SubScalar", "ReLU", "SiLU", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
+    "Pow", "PowTensorScalar", "GeLU", "Erf", "Abs", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
+    "LessEqual", "Greater", "GreaterEqual", "Select", "Softplus", "LogicalNot", "Cos", "Sin", "Reciprocal",
+    "ClampScalar", "OnesLike", "ZerosLike", "LeakyReLUExt", "FastGeLU",
+)(_pw(None))
+
+
+@register("BiasAdd")
+def _bias_add(call: OpCall) -> Decision:
+    x, b = _prim_inputs(call)[:2]
+    if x.ndim != 2:
+        # NCHW bias on dim 1 of an N-D input: not a trailing broadcast; compute it replicated.
+        from hp_dtensor.placement_types import Replicate
+
+        rep = tuple(Replicate() for _ in call.mesh_shape)
+        return Decision((rep, rep), (rep,))
+    return pointwise_rule(_with_inputs(call, (x, b)), linearity="add")
+
+
+# ---------------------------------------------------------------- matrix products
+def _labels(n: int, skip: str) -> str:
+    return "".join(c for c in _LETTERS if c not in skip)[:n]
+
+
+def _matmul_equation(a: TensorInfo, b: TensorInfo, ta: bool, tb: bool) -> str:
+    if a.ndim < 1 or b.ndim < 1:
+        raise ValueError("matmul of a 0-d DTensor")
+    batch_a = a.ndim - 2 if a.ndim >= 2 else 0
+    batch_b = b.ndim - 2 if b.ndim >= 2 else 0
+    nb = max(batch_a, batch_b)
+    batch = _labels(nb, "mkn")
+    la = (batch[nb - batch_a:] if batch_a else "") + (("km" if ta else "mk") if a.ndim >= 2 else "k")
+    lb = (batch[nb - batch_b:] if batch_b else "") + (("nk" if tb else "kn") if b.ndim >= 2 else "k")
+    out = batch + ("m" if a.ndim >= 2 else "") + ("n" if b.ndim >= 2 else "")
+    return f"{la},{lb}->{out}"
+
+
+@register("MatMul", "BatchMatMul")
+def _matmul(call: OpCall) -> Decision:
+    a, b = call.args[0], call.args[1]
+    ta = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("transpose_a", False))
+    tb = bool(call.args[3]) if len(call.args) > 3 else bool(call.kwargs.get("transpose_b", False))
+    return einsum_rule(call, _matmul_equation(a, b, ta, tb))
+
+
+@register("MatMulExt", "Matmul")
+def _matmul_ext(call: OpCall) -> Decision:
+    a, b = call.args[0], call.args[1]
+    if a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        from hp_dtensor.placement_types import Replicate
+
+        rep = tuple(Replicate() for _ in call.mesh_shape)
+        return Decision((rep, rep), (rep,))
+    return einsum_rule(call, _matmul_equation(a, b, False, False))
+
+
+@register("Dense")
+def _dense(call: OpCall) -> Decision:
+    """Dense(x, weight[out, in], bias): x @ weight.T + bias."""
+    x, w = call.args[0], call.args[1]
+    bias = call.args[2] if len(call.args) > 2 else None
+    batch = _labels(x.ndim - 1, "kn")
+    eq = f"{batch}k,nk->{batch}n"
+    if not isinstance(bias, TensorInfo):
+        return einsum_rule(_with_inputs(call, (x, w)), eq)
+    dec = einsum_rule(_with_inputs(call, (bias, x, w)), eq, has_bias=True)
+    b_req, x_req, w_req = dec.inputs
+    return Decision((x_req, w_req, b_req), dec.outputs)
+
+
+# ---------------------------------------------------------------- views
+@register("Reshape", "View")
+def _reshape(call: OpCall) -> Decision:
+    x = call.args[0]
+    rest = call.args[1:]
+    sizes = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+    dec = view_rule(OpCall(call.name, call.mesh_shape, (x, sizes)))
+    if dec.args is None:
+        return Decision(dec.inputs, dec.outputs, args=(x, tuple(sizes)))
+    return Decision(dec.inputs, dec.outputs, args=(dec.args[0], tuple(dec.args[1])))
+
+
+register("TransposeExtView", "TransposeExt", "Swapaxes")(transpose_rule)
+register("Transpose", "TransposeView")(lambda c: permute_rule(c, list(c.args[1])))
+register("ExpandDims", "Unsqueeze")(unsqueeze_rule)
+
+
+@register("Concat")
+def _concat(call: OpCall) -> Decision:
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", 0)
+    return cat_rule(OpCall(call.name, call.mesh_shape, (list(call.args[0]), axis)))
+
+
+# ---------------------------------------------------------------- reductions
+def _dims(v: Any) -> list[int] | None:
+    if v is None:
+        return None
+    return [v] if isinstance(v, int) else list(v)
+
+
+def _reduce(kind: str) -> Any:
+    def rule(call: OpCall) -> Decision:
+        dims = _dims(call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
+        keep = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
+        return reduction_rule(OpCall(call.name, call.mesh_shape, (call.args[0],)), kind, dims, keep)
+
+    return rule
+
+
+register("SumExt")(_reduce("sum"))
+register("MeanExt")(_reduce("mean"))
+
+# ---------------------------------------------------------------- norms and softmax
+
+
+@register("LayerNorm")
+def _layer_norm(call: OpCall) -> Decision:
+    """LayerNorm(x, gamma, beta, begin_norm_axis, begin_params_axis, eps) -> (y, mean, rstd)."""
+    inputs = _prim_inputs(call)
+    x = inputs[0]
+    begin = int(inputs[3]) if len(inputs) > 3 else -1
+    begin %= x.ndim
+    return layer_norm_rule(_with_inputs(call, (x, inputs[1], inputs[2])), x.ndim - begin)
+
+
+register("Softmax", "LogSoftmax", "SoftmaxExt", "LogSoftmaxExt")(
+    lambda c: softmax_rule(c, c.args[1] if len(c.args) > 1 and isinstance(c.args[1], int)
+                           else (c.args[1][0] if len(c.args) > 1 else -1))
+)
+
+# ---------------------------------------------------------------- embedding
+
+
+@register("Gather")
+def _gather(call: OpCall) -> Decision:
+    """Gather(table, ids, axis=0, batch_dims=0): an embedding lookup when axis is 0."""
+    inputs = _prim_inputs(call)
+    table, ids = inputs[0], inputs[1]
+    axis = int(inputs[2]) if len(inputs) > 2 else 0
+    if axis != 0 or table.ndim != 2:
+        from hp_dtensor.placement_types import Replicate
+
+        rep = tuple(Replicate() for _ in call.mesh_shape)
+        return Decision(tuple(rep for _ in call.tensors()), (rep,))
+    return embedding_rule(_with_inputs(call, (table, ids)))
+
+
+@kernel("masked_embedding")
+def _masked_gather(mesh: Any, decision: Decision, *args: Any) -> Tensor:
+    """Look up the ids in this rank's vocab rows; other ids give zero rows (a Partial sum)."""
+    inputs = args[2] if len(args) == 3 and isinstance(args[1], str) else args
+    table, ids = inputs[0], inputs[1]
+    wpl = decision.inputs[0]
+    assert wpl is not None
+    coord = mesh.get_coordinate()
+    k = next(i for i, p in enumerate(wpl) if isinstance(p, Shard) and p.dim == 0)
+    rows = int(Tensor.shape.fget(table)[0])
+    local_ids = ids - coord[k] * rows
+    outside = mint.logical_or(local_ids < 0, local_ids >= rows)
+    safe = ops.select(outside, ops.zeros_like(local_ids), local_ids)
+    out = ops.gather(table, safe, 0)
+    keep = mint.logical_not(outside).astype(out.dtype)
+    return out * keep.reshape(tuple(Tensor.shape.fget(keep)) + (1,))
+

@@ -1,0 +1,139 @@
+"""Process groups on ``mindspore.communication``: start-up from the launcher and named subgroups.
+
+MindSpore launches ranks with ``msrun`` or the ``MS_ROLE`` / ``MS_SCHED_HOST`` / ``MS_SCHED_PORT`` /
+``MS_WORKER_NUM`` / ``MS_NODE_ID`` variables; ``init()`` then picks mccl on CPU and hccl on Ascend.
+Without those variables the process is a world of one (rank 0): meshes of size 1 work and no
+collective is ever issued, which is what single-process tests and geometry checks need.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_DEVICE_TARGET = {"cpu": "CPU", "npu": "Ascend"}
+_LAUNCH_VARS = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM")
+
+_state: dict[str, Any] = {"initialized": False, "single": False, "device": "CPU"}
+_groups: dict[tuple[int, ...], str] = {}
+
+
+def device_target() -> str:
+    """"CPU" or "Ascend": decides whether composed (CPU) or native (Ascend) collectives run."""
+    return str(_state["device"])
+
+
+def is_initialized() -> bool:
+    return bool(_state["initialized"])
+
+
+def is_single_process() -> bool:
+    return bool(_state["single"])
+
+
+def ensure_process_group(device_type: str) -> None:
+    """Join the job the launcher started (msrun or the MS_* variables); a world of one when the
+    process was started on its own."""
+    if _state["initialized"]:
+        return
+    if device_type not in _DEVICE_TARGET:
+        raise ValueError(f"device_type {device_type!r} is not one of {sorted(_DEVICE_TARGET)} on MindSpore")
+    import mindspore as ms
+
+    target = _DEVICE_TARGET[device_type]
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        ms.set_device(target)
+    except (RuntimeError, ValueError) as e:
+        raise RuntimeError(
+            f"device_type={device_type!r} needs MindSpore built for {target}; this MindSpore cannot use it ({e})"
+        ) from e
+    _state["device"] = target
+    present = [k for k in _LAUNCH_VARS if k in os.environ]
+    if not present and "RANK_TABLE_FILE" not in os.environ:
+        _state.update(initialized=True, single=True)
+        return
+    missing = [k for k in _LAUNCH_VARS if k not in os.environ]
+    if missing and "RANK_TABLE_FILE" not in os.environ:
+        raise RuntimeError(
+            f"MindSpore launcher variables {missing} are missing (found {present}); launch with msrun "
+            f"or set all of {list(_LAUNCH_VARS)} and MS_NODE_ID"
+        )
+    from mindspore.communication import init
+
+    init()
+    _state.update(initialized=True, single=False)
+
+
+def init_with_file_store(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """RankPool's entry point: the pool put this rank's MS_* variables in the environment (the
+    file store is a torch notion; MindSpore rendezvouses at its scheduler)."""
+    ensure_process_group("cpu")
+    if get_world_size() != world_size or get_rank() != rank:
+        raise RuntimeError(
+            f"MindSpore started rank {get_rank()} of {get_world_size()}, the pool expected {rank} of {world_size}"
+        )
+
+
+def init_fake(rank: int, world_size: int) -> None:
+    raise NotImplementedError(
+        "MindSpore has no fake process group; run geometry checks on the torch backend or on a 1-rank mesh"
+    )
+
+
+def destroy() -> None:
+    """Leave the job.  A last small all_reduce first: on mccl a rank that exits while a peer still
+    has a collective pending kills that collective."""
+    if not _state["initialized"]:
+        return
+    if not _state["single"]:
+        from hp_dtensor.platform.mindspore import collectives as C
+
+        C.barrier(world_group(), get_world_size())
+        from mindspore.communication import release
+
+        release()
+    _groups.clear()
+    _state.update(initialized=False, single=False)
+
+
+def get_rank() -> int:
+    if not _state["initialized"] or _state["single"]:
+        return 0
+    from mindspore.communication import get_rank as _get_rank
+
+    return int(_get_rank())
+
+
+def get_world_size() -> int:
+    if not _state["initialized"] or _state["single"]:
+        return 1
+    from mindspore.communication import get_group_size
+
+    return int(get_group_size())
+
+
+def world_group() -> str:
+    from mindspore.communication import GlobalComm
+
+    return str(GlobalComm.WORLD_COMM_GROUP)
+
+
+def get_or_create_group(ranks: tuple[int, ...]) -> Any:
+    """The group name over ``ranks`` (the world group when it spans every rank); creating one is
+    collective over the world.  A world of one has no groups: collectives on size-1 mesh dims are
+    identities and never reach MindSpore."""
+    if not _state["initialized"]:
+        raise RuntimeError("no process group: call init_device_mesh first")
+    if _state["single"]:
+        return None
+    if ranks == tuple(range(get_world_size())):
+        return world_group()
+    name = _groups.get(ranks)
+    if name is None:
+        from mindspore.communication import create_group
+
+        name = "hp_" + "_".join(str(r) for r in ranks)
+        create_group(name, list(ranks))
+        _groups[ranks] = name
+    return name

@@ -1,0 +1,137 @@
+"""Run a planned redistribution on a local MindSpore tensor, and its autograd duals.
+
+Gradient convention (the same the torch backend's Redistribute keeps): the local gradient a rank
+holds for a DTensor is the derivative of the loss with respect to that rank's local data, where the
+copies of a ``Replicate`` value are one variable.  So the gradient of ``Shard(d)`` is ``Shard(d)``,
+of ``Replicate`` is the full gradient on every rank, of a ``Partial("sum")`` term the full gradient,
+and of a ``Partial("avg")`` term the full gradient divided by the mesh size.  MindSpore's autograd
+runs on local tensors; ``Redistribute.backward`` runs the planner's plan between those gradient
+layouts, and ``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a
+rank-dependent output (Megatron's "f").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mindspore as ms
+from mindspore import Tensor, ops
+from mindspore._c_expression import NoFallbackGuard
+
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.redistribute_planner import plan_redistribute
+
+if TYPE_CHECKING:
+    from hp_dtensor.device_mesh import DeviceMesh
+
+
+def redistribute_local(
+    local: Any,
+    mesh: DeviceMesh,
+    global_shape: tuple[int, ...],
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+) -> Tensor:
+    """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
+    local = C._plain(local)
+    if src == dst:
+        return local
+    plan = plan_redistribute(mesh.shape, global_shape, src, dst)
+    coord = mesh.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
+    for step in plan.steps:
+        k = step.mesh_dim
+        n = mesh.shape[k]
+        idx = coord[k]
+        kind = step.kind
+        if kind == "chunk":
+            assert isinstance(step.dst, Shard)
+            local = C._chunk(local, step.dst.dim, n, idx)
+            continue
+        if kind == "to_partial":
+            assert isinstance(step.dst, Partial)
+            if step.dst.reduce_op == "sum" and idx != 0:
+                local = ops.zeros_like(local)
+            continue
+        group = mesh.get_group(k)
+        if kind == "all_gather":
+            assert isinstance(step.src, Shard)
+            local = C.all_gather(local, step.src.dim, group, n, idx)
+        elif kind == "all_reduce":
+            assert isinstance(step.src, Partial)
+            local = C.all_reduce(local, step.src.reduce_op, group, n, idx)
+        elif kind == "reduce_scatter":
+            assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
+            local = C.reduce_scatter(local, step.dst.dim, step.src.reduce_op, group, n, idx)
+        elif kind == "all_to_all":
+            assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
+            local = C.all_to_all(local, step.dst.dim, step.src.dim, group, n, idx)
+        else:  # pragma: no cover - the planner emits only the kinds above
+            raise AssertionError(kind)
+    return local
+
+
+def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Layout of the gradient of a value with ``placements`` (Partial terms get the full gradient)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _avg_factor(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> int:
+    f = 1
+    for k, p in enumerate(placements):
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            f *= mesh_shape[k]
+    return f
+
+
+def grad_back(grad: Any, mesh: DeviceMesh, global_shape: tuple[int, ...],
+              src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> Tensor:
+    """The gradient of a ``src`` value from the gradient of its ``dst`` redistribution."""
+    g = C._plain(grad)
+    up = _avg_factor(dst, mesh.shape)
+    if up != 1:
+        g = g * up
+    g = redistribute_local(g, mesh, global_shape, grad_placements(dst), grad_placements(src))
+    down = _avg_factor(src, mesh.shape)
+    return g / down if down != 1 else g
+
+
+class Redistribute(ms._Function):  # type: ignore[misc]
+    """Local shard in ``src`` -> local shard in ``dst``; backward redistributes the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, mesh: Any, global_shape: Any, src: Any, dst: Any) -> Tensor:
+        ctx.meta = (mesh, global_shape, src, dst)
+        with NoFallbackGuard():
+            plain = C._plain(local)
+            out = redistribute_local(plain, mesh, global_shape, src, dst)
+            # A Function must not hand back its input's storage (rank 0's to_partial keeps it).
+            return out if out is not plain else ops.deepcopy(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        mesh, global_shape, src, dst = ctx.meta
+        with NoFallbackGuard():
+            return grad_back(grad, mesh, global_shape, src, dst), None, None, None, None
+
+
+class AllReduceGrad(ms._Function):  # type: ignore[misc]
+    """Identity forward; backward sums the gradient over the given mesh dims.  Put on a replicated
+    input whose op gives each rank a different output: each rank's local backward then holds one
+    term of the input's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, mesh: Any, mesh_dims: Any) -> Tensor:
+        ctx.meta = (mesh, mesh_dims)
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        mesh, mesh_dims = ctx.meta
+        coord = mesh.get_coordinate()
+        with NoFallbackGuard():
+            g = C._plain(grad)
+            for k in mesh_dims:
+                g = C.all_reduce(g, "sum", mesh.get_group(k), mesh.shape[k], coord[k])
+            return g, None, None
