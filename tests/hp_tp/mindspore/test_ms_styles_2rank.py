@@ -1,0 +1,274 @@
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,call-overload,attr-defined,func-returns-value,arg-type,index"
+"""Seed 000 §8.2 E, MindSpore rows, on 2 CPU ranks launched the way MindSpore launches them
+(a scheduler and two workers with the MS_* variables): A6, B1/B2, C1-C3, C6, C8, PrepareModule*
+with a kwargs pre-hook and a multi-output forward hook, and D3.  Numbers are checked against a
+single-process MindSpore reference with the same weights (fp32 rtol=1.5e-4, atol=1e-5); gradients
+of sharded weights are compared shard by shard, without the RFC's "/tp_size" (our all_reduce's
+dual is the identity, as in Megatron and torch).  The ranks start once for the module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ms_cases import (  # pants: no-infer-dep
+    FFN,
+    H,
+    chunk,
+    ms_block,
+    ms_dense,
+    ms_grads,
+    ms_layer_norm,
+    ms_mlp,
+    weights,
+)
+
+from hp_dtensor.testing import rank_pool_fixture
+
+pool = rank_pool_fixture(2, timeout=120, env={"HYPER_PARALLEL_PLATFORM": "mindspore"})
+TOL = {"rtol": 1.5e-4, "atol": 1e-5}
+
+
+def _mesh():
+    from hyper_parallel import init_device_mesh
+
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+def _t(a):
+    from mindspore import Tensor
+
+    return Tensor(np.ascontiguousarray(a))
+
+
+# ------------------------------------------------------------------ rank functions
+def _colwise(rank, world):
+    from hyper_parallel import ColwiseParallel, Shard, parallelize_module
+
+    W = weights(1)
+    cell = parallelize_module(ms_dense(W["w1"], W["b1"]), _mesh(), ColwiseParallel())
+    geometry = (cell.weight.placements == (Shard(0),), tuple(cell.weight.to_local().shape),
+                cell.bias.placements == (Shard(0),), tuple(cell.bias.to_local().shape))
+    res = ms_grads(cell, _t(W["x"]), _t(chunk(W["g_ffn"], -1, world, rank)))
+    return geometry, res
+
+
+def _rowwise(rank, world):
+    from hyper_parallel import Replicate, RowwiseParallel, Shard, parallelize_module
+
+    W = weights(2)
+    cell = parallelize_module(ms_dense(W["w2"], W["b2"]), _mesh(), RowwiseParallel())
+    geometry = (cell.weight.placements == (Shard(1),), tuple(cell.weight.to_local().shape),
+                cell.bias.placements == (Replicate(),), tuple(cell.bias.to_local().shape))
+    res = ms_grads(cell, _t(chunk(W["x"] @ W["w1"].T, -1, world, rank)), _t(W["g_hidden"]))
+    return geometry, res
+
+
+def _mlp(rank, world):
+    from hyper_parallel import ColwiseParallel, CommDebugMode, RowwiseParallel, parallelize_module
+
+    W = weights(3)
+    cell = parallelize_module(ms_mlp(W), _mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    with CommDebugMode() as comm:
+        res = ms_grads(cell, _t(W["x"]), _t(W["g_hidden"]))
+    return res, comm.get_comm_counts()
+
+
+def _sequence_parallel(rank, world):
+    from hyper_parallel import Replicate, SequenceParallel, parallelize_module
+
+    W = weights(4)
+    cell = parallelize_module(ms_layer_norm(W["ln_w"], W["ln_b"]), _mesh(), SequenceParallel())
+    rep = cell.gamma.placements == (Replicate(),) and tuple(cell.gamma.to_local().shape) == (H,)
+    res = ms_grads(cell, _t(chunk(W["x"], 1, world, rank)), _t(chunk(W["g_hidden"], 1, world, rank)))
+    return rep, res
+
+
+def _no_parallel(rank, world):
+    from hyper_parallel import NoParallel, Replicate, parallelize_module
+
+    W = weights(5)
+    cell = parallelize_module(ms_dense(W["w2"], W["b2"]), _mesh(), NoParallel())
+    rep = cell.weight.placements == (Replicate(),) and cell.bias.placements == (Replicate(),)
+    return rep, ms_grads(cell, _t(W["x"] @ W["w1"].T), _t(W["g_hidden"]))
+
+
+def _prepare_kwargs(rank, world):
+    """PrepareModuleInput with a kwargs pre-hook: positional and keyword inputs both gathered."""
+    from mindspore import nn
+
+    from hyper_parallel import PrepareModuleInput, Replicate, Shard, parallelize_module
+
+    class TwoInputs(nn.Cell):
+        def construct(self, x, scale=None):
+            self.seen = (tuple(x.shape), tuple(scale.shape))
+            return x * 2.0 + scale
+
+    W = weights(6)
+    cell = parallelize_module(TwoInputs(), _mesh(), PrepareModuleInput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),),
+        input_kwarg_layouts={"scale": Shard(0)}, desired_input_kwarg_layouts={"scale": Replicate()},
+        use_local_output=True,
+    ))
+    out = cell(_t(chunk(W["x"], 0, world, rank)), scale=_t(chunk(W["g_hidden"], 0, world, rank)))
+    return cell.seen, out.asnumpy()
+
+
+def _prepare_multi_output(rank, world):
+    """PrepareModuleOutput on a two-output forward: the first output is gathered, the second
+    (layout None) comes back untouched."""
+    from mindspore import nn
+
+    from hyper_parallel import PrepareModuleOutput, Replicate, Shard, parallelize_module
+
+    class TwoOutputs(nn.Cell):
+        def construct(self, x):
+            return x * 3.0, x + 1.0
+
+    W = weights(7)
+    cell = parallelize_module(TwoOutputs(), _mesh(), PrepareModuleOutput(
+        output_layouts=(Shard(1), None), desired_output_layouts=(Replicate(), None)))
+    a, b = cell(_t(chunk(W["x"], 1, world, rank)))
+    return a.asnumpy(), b.asnumpy(), type(b).__name__
+
+
+def _d3_block(rank, world):
+    from hyper_parallel import (
+        ColwiseParallel,
+        CommDebugMode,
+        PrepareModuleInput,
+        Replicate,
+        RowwiseParallel,
+        SequenceParallel,
+        Shard,
+        parallelize_module,
+    )
+
+    W = weights(8)
+    cell = parallelize_module(ms_block(W), _mesh(), {
+        "norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    })
+    with CommDebugMode() as comm:
+        res = ms_grads(cell, _t(chunk(W["x"], 1, world, rank)), _t(chunk(W["g_hidden"], 1, world, rank)))
+    return res, comm.get_comm_counts()
+
+
+# ------------------------------------------------------------------ references (one process)
+def _reference(cell, x, upstream):
+    import mindspore as ms
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    return ms_grads(cell, _t(x), _t(upstream))
+
+
+def _cat(results, key, dim):
+    return np.concatenate([r[key] for r in results], axis=dim)
+
+
+# ------------------------------------------------------------------ tests
+def test_B1_C1_colwise_linear(pool):
+    out = pool.run(_colwise)
+    W = weights(1)
+    for geometry, _ in out:
+        assert geometry == (True, (FFN // 2, H), True, (FFN // 2,))
+    res = [r for _, r in out]
+    ref = _reference(ms_dense(W["w1"], W["b1"]), W["x"], W["g_ffn"])
+    np.testing.assert_allclose(_cat(res, "out", -1), ref["out"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:weight", 0), ref["d:weight"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:bias", 0), ref["d:bias"], **TOL)
+    for r in res:  # the replicated input's gradient is whole on every rank
+        np.testing.assert_allclose(r["dx"], ref["dx"], **TOL)
+
+
+def test_B2_C2_rowwise_linear(pool):
+    out = pool.run(_rowwise)
+    W = weights(2)
+    for geometry, _ in out:
+        assert geometry == (True, (H, FFN // 2), True, (H,))
+    res = [r for _, r in out]
+    ref = _reference(ms_dense(W["w2"], W["b2"]), W["x"] @ W["w1"].T, W["g_hidden"])
+    for r in res:
+        np.testing.assert_allclose(r["out"], ref["out"], **TOL)
+        np.testing.assert_allclose(r["d:bias"], ref["d:bias"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:weight", 1), ref["d:weight"], **TOL)
+    np.testing.assert_allclose(_cat(res, "dx", -1), ref["dx"], **TOL)
+
+
+def test_C3_colwise_rowwise_mlp(pool):
+    out = pool.run(_mlp)
+    W = weights(3)
+    res = [r for r, _ in out]
+    ref = _reference(ms_mlp(W), W["x"], W["g_hidden"])
+    for r in res:
+        np.testing.assert_allclose(r["out"], ref["out"], **TOL)
+        np.testing.assert_allclose(r["dx"], ref["dx"], **TOL)
+        np.testing.assert_allclose(r["d:down.bias"], ref["d:down.bias"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:up.weight", 0), ref["d:up.weight"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:up.bias", 0), ref["d:up.bias"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:down.weight", 1), ref["d:down.weight"], **TOL)
+    # Megatron's pattern: one all_reduce forward (row output), one backward (column input).
+    assert out[0][1] == {"all_reduce": 2}
+
+
+def test_C6_sequence_parallel_layer_norm(pool):
+    out = pool.run(_sequence_parallel)
+    W = weights(4)
+    assert all(rep for rep, _ in out)
+    res = [r for _, r in out]
+    ref = _reference(ms_layer_norm(W["ln_w"], W["ln_b"]), W["x"], W["g_hidden"])
+    np.testing.assert_allclose(_cat(res, "out", 1), ref["out"], **TOL)
+    np.testing.assert_allclose(_cat(res, "dx", 1), ref["dx"], **TOL)
+    for r in res:  # replicated norm weights: the same whole gradient on every rank
+        np.testing.assert_allclose(r["d:gamma"], ref["d:gamma"], **TOL)
+        np.testing.assert_allclose(r["d:beta"], ref["d:beta"], **TOL)
+
+
+def test_C8_no_parallel_linear(pool):
+    out = pool.run(_no_parallel)
+    W = weights(5)
+    ref = _reference(ms_dense(W["w2"], W["b2"]), W["x"] @ W["w1"].T, W["g_hidden"])
+    for rep, r in out:
+        assert rep
+        for key in ("out", "dx", "d:weight", "d:bias"):
+            np.testing.assert_allclose(r[key], ref[key], **TOL)
+
+
+def test_prepare_module_input_kwargs_pre_hook(pool):
+    out = pool.run(_prepare_kwargs)
+    W = weights(6)
+    for seen, value in out:
+        assert seen == (W["x"].shape, W["g_hidden"].shape)
+        np.testing.assert_allclose(value, W["x"] * 2.0 + W["g_hidden"], **TOL)
+
+
+def test_prepare_module_output_multi_output_hook(pool):
+    out = pool.run(_prepare_multi_output)
+    W = weights(7)
+    for rank, (a, b, b_type) in enumerate(out):
+        np.testing.assert_allclose(a, W["x"] * 3.0, **TOL)
+        np.testing.assert_allclose(b, chunk(W["x"], 1, 2, rank) + 1.0, **TOL)
+        assert b_type == "Tensor"
+
+
+def test_D3_qwen_minimal_block(pool):
+    out = pool.run(_d3_block)
+    W = weights(8)
+    res = [r for r, _ in out]
+    ref = _reference(ms_block(W), W["x"], W["g_hidden"])
+    np.testing.assert_allclose(_cat(res, "out", 1), ref["out"], **TOL)
+    np.testing.assert_allclose(_cat(res, "dx", 1), ref["dx"], **TOL)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        np.testing.assert_allclose(_cat(res, f"d:attn.{name}.weight", 0), ref[f"d:attn.{name}.weight"], **TOL)
+    np.testing.assert_allclose(_cat(res, "d:attn.o_proj.weight", 1), ref["d:attn.o_proj.weight"], **TOL)
+    for r in res:
+        for key in ("d:attn.o_proj.bias", "d:norm.gamma", "d:norm.beta"):
+            np.testing.assert_allclose(r[key], ref[key], **TOL)
+    counts = out[0][1]
+    assert counts.get("all_gather") == 2 and counts.get("reduce_scatter") == 1, counts
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])
