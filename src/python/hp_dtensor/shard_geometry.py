@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from hp_dtensor.placement_types import Placement, Shard
+
+if TYPE_CHECKING:
+    from hp_dtensor.device_mesh import DeviceMesh
 
 
 def check_even_sharding(
@@ -67,3 +72,15 @@ def local_offset(
             size[p.dim] //= mesh_shape[mesh_dim]
             offset[p.dim] += coordinate[mesh_dim] * size[p.dim]
     return tuple(offset)
+
+
+def check_equal_shard_shapes(rows: Sequence[Sequence[int]], mesh: DeviceMesh) -> None:
+    """``rows[i]`` is (local shape..., ndim) of the mesh's i-th rank (row-major); raise
+    ``ValueError`` naming every rank's shape unless all are equal (``from_local(run_check=True)``)."""
+    if all(list(r) == list(rows[0]) for r in rows):
+        return
+    detail = ", ".join(f"rank {rank}: {tuple(r[:-1])}" for rank, r in zip(mesh.layout.ranks, rows))
+    raise ValueError(
+        f"from_local(run_check=True): local shards differ across the mesh ({detail}); "
+        f"only even sharding is supported"
+    )

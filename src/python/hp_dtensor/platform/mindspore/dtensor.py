@@ -23,7 +23,7 @@ from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import Redistribute
-from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
+from hp_dtensor.shard_geometry import check_equal_shard_shapes, check_even_sharding, global_shape, local_shape
 
 
 class DTensor(Tensor):  # type: ignore[misc]
@@ -161,19 +161,16 @@ class DTensor(Tensor):  # type: ignore[misc]
 
 
 def _check_equal_local_shapes(lshape: tuple[int, ...], mesh: DeviceMesh) -> None:
+    # As on torch: gather every rank's shape over all mesh dims, then every rank decides alike.
     coord = mesh.get_coordinate()
     assert coord is not None
-    row = Tensor(np.array([list(lshape) + [len(lshape)]], np.float32))
-    for k in range(mesh.ndim):
-        with NoFallbackGuard():
-            rows = C.all_gather(row, 0, mesh.get_group(k), mesh.shape[k], coord[k]).asnumpy().astype(int).tolist()
-        if any(r != rows[0] for r in rows):
-            ranks = mesh.group_ranks(k)
-            detail = ", ".join(f"rank {r}: {tuple(x[:-1])}" for r, x in zip(ranks, rows))
-            raise ValueError(
-                f"from_local(run_check=True): local shards differ along mesh dim {k} ({detail}); "
-                f"only even sharding is supported"
-            )
+    rows = Tensor(np.array([list(lshape) + [len(lshape)]], np.float32))
+    with NoFallbackGuard():
+        for k in reversed(range(mesh.ndim)):
+            gathered = C.all_gather(rows.reshape((1,) + tuple(rows.shape)), 0, mesh.get_group(k), mesh.shape[k], coord[k])
+            rows = gathered.reshape((-1, rows.shape[-1]))
+        table = rows.asnumpy().astype(int).tolist()
+    check_equal_shard_shapes(table, mesh)
 
 
 def distribute_tensor(

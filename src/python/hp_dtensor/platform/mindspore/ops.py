@@ -172,10 +172,16 @@ def _layer_norm(call: OpCall) -> Decision:
     return layer_norm_rule(_with_inputs(call, (x, inputs[1], inputs[2])), x.ndim - begin)
 
 
-register("Softmax", "LogSoftmax", "SoftmaxExt", "LogSoftmaxExt")(
-    lambda c: softmax_rule(c, c.args[1] if len(c.args) > 1 and isinstance(c.args[1], int)
-                           else (c.args[1][0] if len(c.args) > 1 else -1))
-)
+@register("Softmax", "LogSoftmax", "SoftmaxExt", "LogSoftmaxExt")
+def _softmax(call: OpCall) -> Decision:
+    """Softmax(x, axis): the primitive takes a tuple of one axis, the functional forms an int."""
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", call.kwargs.get("dim", -1))
+    if isinstance(axis, (list, tuple)):
+        if len(axis) != 1:
+            raise NotImplementedError(f"{call.name} over several axes {axis} has no sharding rule")
+        axis = axis[0]
+    return softmax_rule(call, int(axis))
+
 
 # ---------------------------------------------------------------- embedding
 

@@ -120,9 +120,10 @@ def world_group() -> str:
 
 
 def get_or_create_group(ranks: tuple[int, ...]) -> Any:
-    """The group name over ``ranks`` (the world group when it spans every rank); creating one is
-    collective over the world.  A world of one has no groups: collectives on size-1 mesh dims are
-    identities and never reach MindSpore."""
+    """The group name over ``ranks`` (the world group when it spans every rank).  MindSpore creates
+    a group on its members only (a non-member creating it fails), so other ranks just learn its
+    name.  A world of one has no groups: collectives on size-1 mesh dims are identities and never
+    reach MindSpore."""
     if not _state["initialized"]:
         raise RuntimeError("no process group: call init_device_mesh first")
     if _state["single"]:
@@ -131,9 +132,10 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
         return world_group()
     name = _groups.get(ranks)
     if name is None:
-        from mindspore.communication import create_group
-
         name = "hp_" + "_".join(str(r) for r in ranks)
-        create_group(name, list(ranks))
+        if get_rank() in ranks:
+            from mindspore.communication import create_group
+
+            create_group(name, list(ranks))
         _groups[ranks] = name
     return name

@@ -17,7 +17,7 @@ from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
-from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
+from hp_dtensor.shard_geometry import check_equal_shard_shapes, check_even_sharding, global_shape, local_shape
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -146,17 +146,15 @@ class DTensor(torch.Tensor):
 
 
 def _check_equal_local_shapes(local: torch.Tensor, mesh: DeviceMesh) -> None:
-    shape = torch.tensor(list(local.shape) + [local.ndim], dtype=torch.int64)
-    for k in range(mesh.ndim):
-        gathered = C.all_gather(shape.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k])
-        rows = gathered.tolist()
-        if any(r != rows[0] for r in rows):
-            ranks = mesh.group_ranks(k)
-            detail = ", ".join(f"rank {r}: {tuple(row[:-1])}" for r, row in zip(ranks, rows))
-            raise ValueError(
-                f"from_local(run_check=True): local shards differ along mesh dim {k} ({detail}); "
-                f"only even sharding is supported"
-            )
+    # Gather every rank's shape over all mesh dims (last dim first, so rows come out in the mesh's
+    # row-major rank order) before deciding: every rank then raises together, none is left
+    # waiting in a collective its peers skipped.
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    rows = torch.tensor([list(local.shape) + [local.ndim]], dtype=torch.int64)
+    for k in reversed(range(mesh.ndim)):
+        rows = C.all_gather(rows.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k]).flatten(0, 1)
+    check_equal_shard_shapes(rows.tolist(), mesh)
 
 
 def distribute_tensor(
