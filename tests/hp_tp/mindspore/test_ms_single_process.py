@@ -269,3 +269,10 @@ def test_prepare_module_input_non_tensor_asserts(mesh):
         input_layouts=(Shard(0), Shard(0)), desired_input_layouts=(Replicate(), Replicate())))
     with pytest.raises(AssertionError, match="expected a tensor"):
         cell(_t([1.0]), 2.0)
+
+
+def test_update_of_a_dtensor_with_a_plain_tensor_of_another_shape_is_rejected(mesh):
+    d = parallelize_module(_dense(), mesh, ColwiseParallel())
+    with pytest.raises(RuntimeError, match=r"local shard is \(8, 6\)"):
+        ms.ops.assign_sub(d.weight, _t(np.ones((3, 3))))
+    ms.ops.assign_sub(d.weight, _t(np.ones((8, 6))))  # the local gradient's shape: allowed

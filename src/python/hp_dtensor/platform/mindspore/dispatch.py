@@ -32,6 +32,17 @@ _cache: dict[Any, tuple[Decision, bool]] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
 
+# In-place updates and fused optimizer kernels (mint.optim): a plain tensor of the DTensor's local
+# shape among their arguments is that DTensor's local gradient or state -- what value_and_grad
+# returns for a DTensor parameter -- so it joins with the first DTensor's spec and the op runs
+# shard by shard.  Anywhere else a plain tensor next to a DTensor is an error.
+LOCAL_UPDATE_OPS = frozenset({
+    "AdamW", "Adam", "ApplyAdamW", "SGD", "ApplyMomentum", "Assign", "AssignAdd", "AssignSub",
+    "InplaceAddExt", "InplaceAddsExt", "InplaceSubExt", "InplaceSubScalar", "InplaceMul", "InplaceMuls",
+    "InplaceDiv", "InplaceDivs", "InplaceCopy", "InplaceAddcmul", "InplaceAddcdiv", "InplaceLerp",
+    "InplaceSqrt", "InplaceZero", "InplaceFillScalar",
+})
+
 
 def register(*names: str) -> Callable[[Rule], Rule]:
     def deco(rule: Rule) -> Rule:
@@ -88,6 +99,8 @@ def _key_of(x: Any) -> Any:
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = str(func.name)
     flat, shape = _flatten(args)
+    if name in LOCAL_UPDATE_OPS:
+        flat = _join_local_updates(name, flat)
     kw_items = list(kwargs.items())
     mesh = None
     key_parts: list[Any] = [name]
@@ -101,7 +114,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             key_parts.append(spec)
         elif isinstance(leaf, Tensor):
             lshape = tuple(Tensor.shape.fget(leaf))
-            if lshape:
+            if lshape and not (name in LOCAL_UPDATE_OPS and _is_one_element(lshape)):
                 raise RuntimeError(
                     f"{name}: got a mix of mindspore.Tensor (shape {lshape}) and DTensor arguments; make the "
                     f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
@@ -124,6 +137,38 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             _cache[key] = cached
     decision, _ = cached
     return _run(func, flat, shape, kw_items, mesh, decision)
+
+
+def _join_local_updates(name: str, flat: list[Any]) -> list[Any]:
+    first = next((x for x in flat if isinstance(x, DTensor)), None)
+    if first is None:
+        return flat
+    spec = first._spec
+    want = spec.local_shape()
+    out = []
+    for x in flat:
+        got = tuple(Tensor.shape.fget(x)) if isinstance(x, Tensor) else ()
+        if isinstance(x, Tensor) and not isinstance(x, DTensor) and got and not _is_one_element(got):
+            if got != want:
+                raise RuntimeError(
+                    f"{name}: a plain tensor of shape {got} updates a DTensor whose local shard is {want}; "
+                    f"pass the local gradient/state (shape {want}) or a DTensor"
+                )
+            x = DTensor(x, spec)
+        out.append(x)
+    return out
+
+
+def _is_one_element(shape: tuple[int, ...]) -> bool:
+    """Step counters and learning rates arrive as one-element tensors: scalars, not shards."""
+    return all(s == 1 for s in shape)
+
+
+@register(*LOCAL_UPDATE_OPS)
+def _local_update(call: OpCall) -> Decision:
+    """Every argument is already in the layout of the tensor it updates: run shard by shard."""
+    first = call.tensors()[0]
+    return Decision(tuple(None for _ in call.tensors()), (first.placements,))
 
 
 def _info(leaf: Any) -> Any:
