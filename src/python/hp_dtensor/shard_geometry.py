@@ -7,7 +7,6 @@ dim takes the outer (coarser) chunks, as in ``torch.distributed.tensor``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from hp_dtensor.placement_types import Placement, Shard

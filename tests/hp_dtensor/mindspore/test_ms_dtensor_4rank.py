@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,func-returns-value"
 """MindSpore DTensor on 4 CPU ranks: every redistribution between Shard/Replicate/Partial layouts on
 a 1-D mesh of 4 (the world group: MindSpore's native collectives) and a 2x2 mesh (subgroups: the
 composed ones), checked for values, input gradients and the number of collectives the planner
@@ -108,8 +108,15 @@ def _redistribute_cases(rank, world, mesh_shape):
 def _distribute_and_check(rank, world):
     from mindspore import Tensor, nn
 
-    from hp_dtensor import CommDebugMode, DTensor, Replicate, Shard, distribute_module, distribute_tensor
-    from hp_dtensor import init_device_mesh
+    from hp_dtensor import (
+        CommDebugMode,
+        DTensor,
+        Replicate,
+        Shard,
+        distribute_module,
+        distribute_tensor,
+        init_device_mesh,
+    )
 
     mesh = init_device_mesh("cpu", (2, 2))
     A = _A()
