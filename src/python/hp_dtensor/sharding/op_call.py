@@ -138,3 +138,39 @@ def cheapest(
     assert best is not None
     return best
 
+
+
+class OpTable:
+    """One platform's sharding rules and local kernels, keyed by how that platform names an op
+    (an aten overload on torch, a primitive name on MindSpore)."""
+
+    def __init__(self) -> None:
+        self.rules: dict[Any, Rule] = {}
+        self.kernels: dict[str, Callable[..., Any]] = {}
+
+    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
+        def deco(rule: Rule) -> Rule:
+            for op in ops:
+                self.rules[op] = rule
+            return rule
+
+        return deco
+
+    def kernel(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self.kernels[name] = fn
+            return fn
+
+        return deco
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` (tuples, lists, dicts) with ``fn`` applied to every leaf: how a Decision's rewritten
+    arguments get their TensorInfo placeholders replaced by local tensors."""
+    if isinstance(tree, tuple):
+        return tuple(map_leaves(fn, x) for x in tree)
+    if isinstance(tree, list):
+        return [map_leaves(fn, x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: map_leaves(fn, v) for k, v in tree.items()}
+    return fn(tree)

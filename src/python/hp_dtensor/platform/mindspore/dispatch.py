@@ -12,7 +12,6 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 from mindspore import Tensor
@@ -23,11 +22,11 @@ from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
 from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, Redistribute
 from hp_dtensor.shard_geometry import global_shape
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo, map_leaves
 
-Rule = Callable[[OpCall], Decision]
-RULES: dict[str, Rule] = {}
-KERNELS: dict[str, Callable[..., Any]] = {}
+_TABLE = OpTable()
+RULES = _TABLE.rules
+KERNELS = _TABLE.kernels
 _cache: dict[Any, tuple[Decision, bool]] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
@@ -44,21 +43,8 @@ LOCAL_UPDATE_OPS = frozenset({
 })
 
 
-def register(*names: str) -> Callable[[Rule], Rule]:
-    def deco(rule: Rule) -> Rule:
-        for name in names:
-            RULES[name] = rule
-        return rule
-
-    return deco
-
-
-def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        KERNELS[name] = fn
-        return fn
-
-    return deco
+register = _TABLE.register
+kernel = _TABLE.kernel
 
 
 def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
@@ -234,28 +220,18 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
             return next(it) if isinstance(x, TensorInfo) else x
 
         if decision.args is not None:
-            local_args = _map_leaves(fill, decision.args)
+            local_args = map_leaves(fill, decision.args)
         else:
             for _ in range(sum(isinstance(x, DTensor) for x in flat)):
                 next(it)
         if decision.kwargs is not None:
-            local_kwargs = _map_leaves(fill, decision.kwargs)
+            local_kwargs = map_leaves(fill, decision.kwargs)
     with NoFallbackGuard():
         if decision.kernel is not None:
             out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
         else:
             out = func(*local_args, **local_kwargs)
     return _wrap(out, mesh, decision)
-
-
-def _map_leaves(fn: Any, tree: Any) -> Any:
-    if isinstance(tree, tuple):
-        return tuple(_map_leaves(fn, x) for x in tree)
-    if isinstance(tree, list):
-        return [_map_leaves(fn, x) for x in tree]
-    if isinstance(tree, dict):
-        return {k: _map_leaves(fn, v) for k, v in tree.items()}
-    return fn(tree)
 
 
 def _wrap_one(out: Tensor, mesh: Any, pl: Any) -> Any:

@@ -18,12 +18,18 @@ import numpy as np
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh
-from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.dtensor_spec import (
+    DTensorSpec,
+    distribute_placements,
+    from_local_spec,
+    redistribute_target,
+    resolve_mesh,
+)
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import Redistribute
-from hp_dtensor.shard_geometry import check_equal_shard_shapes, check_even_sharding, global_shape, local_shape
+from hp_dtensor.shard_geometry import check_equal_shard_shapes
 
 
 class DTensor(Tensor):  # type: ignore[misc]
@@ -101,15 +107,9 @@ class DTensor(Tensor):  # type: ignore[misc]
     ) -> DTensor:
         """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
         if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
-            device_mesh, placements = None, device_mesh
+            device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
         spec = self._spec
-        mesh = device_mesh or spec.mesh
-        if mesh != spec.mesh:
-            raise ValueError(f"redistribute across meshes is not supported: tensor is on {spec.mesh}, target {mesh}")
-        if placements is None:
-            raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
-        dst = normalize_placements(placements, mesh.ndim, len(spec.shape))
-        check_even_sharding(spec.shape, mesh.shape, dst)
+        dst = redistribute_target(spec, device_mesh, placements)
         if dst == spec.placements:
             return self
         out = Redistribute.apply(self, spec.mesh, spec.shape, spec.placements, dst)
@@ -134,30 +134,16 @@ class DTensor(Tensor):  # type: ignore[misc]
 
         ``run_check=True`` checks with one all_gather of shapes that every rank's shard has the
         same shape (even sharding), and raises ``ValueError`` naming the ranks that differ."""
-        mesh = device_mesh or get_current_mesh()
-        if mesh is None:
-            raise ValueError("from_local needs a device_mesh (or an active `with mesh:`)")
+        mesh = resolve_mesh(device_mesh, "from_local")
         if isinstance(local_tensor, DTensor):
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
         if not isinstance(local_tensor, Tensor):
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
-        if placements is None:
-            placements = [Replicate()] * mesh.ndim
         lshape = tuple(Tensor.shape.fget(local_tensor))
-        pl = normalize_placements(placements, mesh.ndim, len(lshape))
+        spec = from_local_spec(lshape, mesh, placements, shape)
         if run_check:
             _check_equal_local_shapes(lshape, mesh)
-        if shape is None:
-            gshape = global_shape(lshape, mesh.shape, pl)
-        else:
-            gshape = tuple(int(s) for s in shape)
-            check_even_sharding(gshape, mesh.shape, pl)
-            if local_shape(gshape, mesh.shape, pl) != lshape:
-                raise ValueError(
-                    f"local shape {lshape} does not match global shape {gshape} with placements {pl} "
-                    f"on mesh {mesh.shape}"
-                )
-        return DTensor(local_tensor, DTensorSpec(mesh, pl, gshape))
+        return DTensor(local_tensor, spec)
 
 
 def _check_equal_local_shapes(lshape: tuple[int, ...], mesh: DeviceMesh) -> None:
@@ -186,18 +172,13 @@ def distribute_tensor(
     (MindSpore's CPU backend has no scatter), so other ranks may pass anything of the right shape;
     ``None``: every rank slices its own copy, no collective.  A tensor whose data is not
     materialized yet (``has_init``) never communicates."""
-    mesh = device_mesh or get_current_mesh()
-    if mesh is None:
-        raise ValueError("distribute_tensor needs a device_mesh (or an active `with mesh:`)")
+    mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
     gshape = tuple(Tensor.shape.fget(tensor))
-    if placements is None:
-        placements = [Replicate()] * mesh.ndim
-    pl = normalize_placements(placements, mesh.ndim, len(gshape))
-    check_even_sharding(gshape, mesh.shape, pl)
+    pl = distribute_placements(gshape, mesh, placements)
     if getattr(tensor, "has_init", False):
         tensor = tensor.init_data()
         src_data_rank = None

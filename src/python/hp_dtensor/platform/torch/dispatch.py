@@ -8,7 +8,6 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,33 +18,20 @@ from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.shard_geometry import global_shape
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
 
 aten = torch.ops.aten
 
-Rule = Callable[[OpCall], Decision]
-RULES: dict[Any, Rule] = {}
-KERNELS: dict[str, Callable[..., Any]] = {}
+_TABLE = OpTable()
+RULES = _TABLE.rules
+KERNELS = _TABLE.kernels
 _cache: dict[Any, tuple[Decision, bool]] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
-    def deco(rule: Rule) -> Rule:
-        for op in ops:
-            RULES[op] = rule
-        return rule
-
-    return deco
-
-
-def kernel(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        KERNELS[name] = fn
-        return fn
-
-    return deco
+register = _TABLE.register
+kernel = _TABLE.kernel
 
 
 FOREACH_RULES: dict[str, Rule] = {}  # by base op name ("add", "mul", ...), "*" for the rest
@@ -263,12 +249,12 @@ def _run(
             return next(dt_locals) if isinstance(x, TensorInfo) else x
 
         if decision.args is not None:
-            local_args = _map_leaves(fill, decision.args)
+            local_args = map_leaves(fill, decision.args)
         else:
             for _ in (x for x in pytree.tree_leaves(args) if isinstance(x, DTensor)):
                 next(dt_locals)
         if decision.kwargs is not None:
-            local_kwargs = _map_leaves(fill, decision.kwargs)
+            local_kwargs = map_leaves(fill, decision.kwargs)
     if decision.kernel is not None:
         out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
     else:
@@ -287,16 +273,6 @@ def _run(
             self_dt._local_tensor.copy_(new_local)
         return self_dt
     return _wrap(out, mesh, decision)
-
-
-def _map_leaves(fn: Any, tree: Any) -> Any:
-    if isinstance(tree, tuple):
-        return tuple(_map_leaves(fn, x) for x in tree)
-    if isinstance(tree, list):
-        return [_map_leaves(fn, x) for x in tree]
-    if isinstance(tree, dict):
-        return {k: _map_leaves(fn, v) for k, v in tree.items()}
-    return fn(tree)
 
 
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:

@@ -12,12 +12,18 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh
-from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.dtensor_spec import (
+    DTensorSpec,
+    distribute_placements,
+    from_local_spec,
+    redistribute_target,
+    resolve_mesh,
+)
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
-from hp_dtensor.shard_geometry import check_equal_shard_shapes, check_even_sharding, global_shape, local_shape
+from hp_dtensor.shard_geometry import check_equal_shard_shapes
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -91,17 +97,10 @@ class DTensor(torch.Tensor):
         """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
         if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
             device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
-        mesh = device_mesh or self._spec.mesh
-        if mesh != self._spec.mesh:
-            raise ValueError(
-                f"redistribute across meshes is not supported: tensor is on {self._spec.mesh}, target {mesh}"
-            )
-        if placements is None:
-            raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
-        dst = normalize_placements(placements, mesh.ndim, self.ndim)
-        check_even_sharding(self._spec.shape, mesh.shape, dst)
+        dst = redistribute_target(self._spec, device_mesh, placements)
         if dst == self._spec.placements:
             return self
+        mesh = self._spec.mesh
         return Redistribute.apply(self, mesh, dst)  # type: ignore[no-any-return]
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -123,25 +122,10 @@ class DTensor(torch.Tensor):
 
         ``run_check=True`` checks with one all_gather of shapes that every rank's shard has the
         same shape (even sharding), and raises ``ValueError`` naming the ranks that differ."""
-        mesh = device_mesh or get_current_mesh()
-        if mesh is None:
-            raise ValueError("from_local needs a device_mesh (or an active `with mesh:`)")
-        if placements is None:
-            placements = [Replicate()] * mesh.ndim
-        pl = normalize_placements(placements, mesh.ndim, local_tensor.ndim)
+        mesh = resolve_mesh(device_mesh, "from_local")
+        spec = from_local_spec(local_tensor.shape, mesh, placements, shape)
         if run_check:
             _check_equal_local_shapes(local_tensor, mesh)
-        if shape is None:
-            gshape = global_shape(local_tensor.shape, mesh.shape, pl)
-        else:
-            gshape = tuple(int(s) for s in shape)
-            check_even_sharding(gshape, mesh.shape, pl)
-            if local_shape(gshape, mesh.shape, pl) != tuple(local_tensor.shape):
-                raise ValueError(
-                    f"local shape {tuple(local_tensor.shape)} does not match global shape {gshape} "
-                    f"with placements {pl} on mesh {mesh.shape}"
-                )
-        spec = DTensorSpec(mesh, pl, gshape)
         return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
 
 
@@ -169,16 +153,11 @@ def distribute_tensor(
     ``src_data_rank=0``: group-rank 0 of each mesh dim is the source; its values are scattered or
     broadcast, so other ranks may pass anything of the right shape.  ``None``: every rank slices
     its own copy, no collective.  A meta tensor never communicates."""
-    mesh = device_mesh or get_current_mesh()
-    if mesh is None:
-        raise ValueError("distribute_tensor needs a device_mesh (or an active `with mesh:`)")
+    mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
-    if placements is None:
-        placements = [Replicate()] * mesh.ndim
-    pl = normalize_placements(placements, mesh.ndim, tensor.ndim)
     gshape = tuple(tensor.shape)
-    check_even_sharding(gshape, mesh.shape, pl)
+    pl = distribute_placements(gshape, mesh, placements)
     requires_grad = tensor.requires_grad
     src = None if tensor.is_meta else src_data_rank
     coord = mesh.get_coordinate()
