@@ -108,7 +108,10 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             key_parts.append("scalar-tensor")
         else:
             key_parts.append(_key_of(leaf))
-    assert mesh is not None
+    if mesh is None:
+        raise NotImplementedError(
+            f"{name}: a DTensor argument nested more than one list deep is not supported; pass it directly"
+        )
     key_parts.extend(k for k, _ in kw_items)
     key: Any = tuple(key_parts)
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 from mindspore import Tensor, mint, ops
 
-from hp_dtensor.placement_types import Shard
+from hp_dtensor.placement_types import Replicate, Shard
 from hp_dtensor.platform.mindspore.dispatch import kernel, register
 from hp_dtensor.sharding.embedding import embedding_rule
 from hp_dtensor.sharding.matrix import einsum_rule
@@ -33,6 +33,12 @@ def _prim_inputs(call: OpCall) -> tuple[Any, ...]:
 
 def _with_inputs(call: OpCall, inputs: tuple[Any, ...]) -> OpCall:
     return OpCall(call.name, call.mesh_shape, inputs, call.kwargs)
+
+
+def _replicated(call: OpCall) -> Decision:
+    """Compute on whole tensors: the shapes this op takes have no sharding rule here."""
+    rep = tuple(Replicate() for _ in call.mesh_shape)
+    return Decision(tuple(rep for _ in call.tensors()), (rep,))
 
 
 # ---------------------------------------------------------------- pointwise
@@ -58,11 +64,7 @@ register(
 def _bias_add(call: OpCall) -> Decision:
     x, b = _prim_inputs(call)[:2]
     if x.ndim != 2:
-        # NCHW bias on dim 1 of an N-D input: not a trailing broadcast; compute it replicated.
-        from hp_dtensor.placement_types import Replicate
-
-        rep = tuple(Replicate() for _ in call.mesh_shape)
-        return Decision((rep, rep), (rep,))
+        return _replicated(call)  # NCHW: the bias broadcasts on dim 1, not the trailing dim
     return pointwise_rule(_with_inputs(call, (x, b)), linearity="add")
 
 
@@ -96,10 +98,7 @@ def _matmul(call: OpCall) -> Decision:
 def _matmul_ext(call: OpCall) -> Decision:
     a, b = call.args[0], call.args[1]
     if a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
-        from hp_dtensor.placement_types import Replicate
-
-        rep = tuple(Replicate() for _ in call.mesh_shape)
-        return Decision((rep, rep), (rep,))
+        return _replicated(call)
     return einsum_rule(call, _matmul_equation(a, b, False, False))
 
 
@@ -193,10 +192,7 @@ def _gather(call: OpCall) -> Decision:
     table, ids = inputs[0], inputs[1]
     axis = int(inputs[2]) if len(inputs) > 2 else 0
     if axis != 0 or table.ndim != 2:
-        from hp_dtensor.placement_types import Replicate
-
-        rep = tuple(Replicate() for _ in call.mesh_shape)
-        return Decision(tuple(rep for _ in call.tensors()), (rep,))
+        return _replicated(call)
     return embedding_rule(_with_inputs(call, (table, ids)))
 
 
