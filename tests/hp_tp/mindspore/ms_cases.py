@@ -13,6 +13,7 @@ import numpy as np
 
 B, S, H, FFN, HEADS = 2, 4, 8, 16, 4
 DH = H // HEADS
+VOCAB = 10
 
 
 def weights(seed: int) -> dict[str, np.ndarray]:
@@ -26,6 +27,7 @@ def weights(seed: int) -> dict[str, np.ndarray]:
         "w1": w(FFN, H), "b1": w(FFN), "w2": w(H, FFN), "b2": w(H),
         "q": w(H, H), "k": w(H, H), "v": w(H, H), "o": w(H, H), "o_b": w(H),
         "ln_w": 1.0 + w(H), "ln_b": w(H),
+        "emb": w(VOCAB, H), "ids": rs.randint(0, VOCAB, size=(B, S)).astype(np.int32),
     }
 
 
@@ -41,6 +43,14 @@ def ms_dense(w: np.ndarray, b: np.ndarray | None) -> Any:
     cell.weight.set_data(Tensor(w))
     if b is not None:
         cell.bias.set_data(Tensor(b))
+    return cell
+
+
+def ms_embedding(table: np.ndarray) -> Any:
+    from mindspore import Tensor, nn
+
+    cell = nn.Embedding(table.shape[0], table.shape[1])
+    cell.embedding_table.set_data(Tensor(table))
     return cell
 
 

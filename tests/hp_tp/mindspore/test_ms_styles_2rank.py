@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from ms_cases import (  # pants: no-infer-dep
     FFN,
+    VOCAB,
     H,
     chunk,
     ms_block,
     ms_dense,
+    ms_embedding,
     ms_grads,
     ms_layer_norm,
     ms_mlp,
@@ -72,6 +74,35 @@ def _mlp(rank, world):
     with CommDebugMode() as comm:
         res = ms_grads(cell, _t(W["x"]), _t(W["g_hidden"]))
     return res, comm.get_comm_counts()
+
+
+def _embedding(rank, world, style):
+    """C4 (table split by columns, output Shard(-1)) and C5 (split by vocab rows: a masked lookup
+    whose partial sums are all-reduced) with the table's gradient; ids stay integers."""
+    from mindspore import Tensor
+
+    from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    W = weights(12)
+    st = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    cell = parallelize_module(ms_embedding(W["emb"]), _mesh(), st)
+    up = chunk(W["g_hidden"], -1, world, rank) if style == "colwise" else W["g_hidden"]
+    res = _embedding_grads(cell, Tensor(W["ids"]), _t(up))
+    return cell.embedding_table.placements, tuple(cell.embedding_table.to_local().shape), res
+
+
+def _embedding_grads(cell, ids, upstream):
+    import mindspore as ms
+
+    table = cell.embedding_table
+
+    def loss_fn(i):
+        y = cell(i)
+        y = y.to_local() if hasattr(y, "placements") else y
+        return (y * upstream).sum(), y
+
+    (_, y), (dtable,) = ms.value_and_grad(loss_fn, None, [table], has_aux=True)(ids)
+    return {"out": y.asnumpy(), "d:table": dtable.asnumpy()}
 
 
 def _sequence_parallel(rank, world):
@@ -264,6 +295,27 @@ def test_C3_mlp_trains_like_one_process(pool, optimizer):
     for w in ws:
         np.testing.assert_allclose(w["down.bias"], ref_w["down.bias"], **TOL)
     assert ref_losses[-1] < ref_losses[0]
+
+
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_C4_C5_embedding(pool, style):
+    from mindspore import Tensor
+
+    from hyper_parallel import Shard
+
+    out = pool.run(_embedding, style)
+    W = weights(12)
+    ref = _embedding_grads(ms_embedding(W["emb"]), Tensor(W["ids"]), _t(W["g_hidden"]))
+    res = [r for _, _, r in out]
+    if style == "colwise":  # B3 and C4
+        assert all(pl == (Shard(1),) and shape == (VOCAB, H // 2) for pl, shape, _ in out)
+        np.testing.assert_allclose(_cat(res, "out", -1), ref["out"], **TOL)
+        np.testing.assert_allclose(_cat(res, "d:table", 1), ref["d:table"], **TOL)
+    else:  # B4 and C5
+        assert all(pl == (Shard(0),) and shape == (VOCAB // 2, H) for pl, shape, _ in out)
+        for r in res:
+            np.testing.assert_allclose(r["out"], ref["out"], **TOL)
+        np.testing.assert_allclose(_cat(res, "d:table", 0), ref["d:table"], **TOL)
 
 
 def test_C6_sequence_parallel_layer_norm(pool):
