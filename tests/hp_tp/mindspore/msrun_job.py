@@ -10,7 +10,7 @@ import os
 
 import mindspore as ms
 import numpy as np
-from ms_cases import ms_grads, ms_mlp, weights  # pants: no-infer-dep
+from ms_cases import ms_grads, ms_mlp, weights
 
 from hp_dtensor.platform import current
 from hyper_parallel import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ms_cases import (  # pants: no-infer-dep
+from ms_cases import (
     FFN,
     VOCAB,
     H,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ms_cases import chunk, ms_block, ms_dense, ms_grads, ms_mlp, weights  # pants: no-infer-dep
-from torch_cases import t_block, t_grads, t_linear, t_mlp  # pants: no-infer-dep
+from ms_cases import chunk, ms_block, ms_dense, ms_grads, ms_mlp, weights
+from torch_cases import t_block, t_grads, t_linear, t_mlp
 
 from hp_dtensor.testing import rank_pool_fixture
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from ms_cases import DH  # pants: no-infer-dep
+from ms_cases import DH
 
 
 def t_linear(w: np.ndarray, b: np.ndarray | None) -> Any:
