@@ -171,7 +171,8 @@ def distribute_tensor(
     ``src_data_rank=0``: group-rank 0 of each mesh dim is the source and its values are broadcast
     (MindSpore's CPU backend has no scatter), so other ranks may pass anything of the right shape;
     ``None``: every rank slices its own copy, no collective.  A tensor whose data is not
-    materialized yet (``has_init``) never communicates."""
+    materialized yet (``has_init``, MindSpore's lazy initializer, the analogue of torch's meta
+    tensors) never communicates: each rank materializes it itself, so seed the ranks alike."""
     mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
