@@ -278,3 +278,22 @@ def test_update_of_a_dtensor_with_a_plain_tensor_of_another_shape_is_rejected(me
     with pytest.raises(RuntimeError, match=r"local shard is \(8, 6\)"):
         ms.ops.assign_sub(d.weight, _t(np.ones((3, 3))))
     ms.ops.assign_sub(d.weight, _t(np.ones((8, 6))))  # the local gradient's shape: allowed
+
+
+def test_device_and_feature_gaps_fail_loudly(mesh):
+    with pytest.raises(RuntimeError, match="already runs MindSpore on CPU"):
+        init_device_mesh("npu", (1,))
+    with pytest.raises(ValueError, match="not one of"):
+        init_device_mesh("cuda", (1,))
+    from hyper_parallel import loss_parallel
+
+    with pytest.raises(NotImplementedError, match="loss_parallel is not available on the MindSpore backend"):
+        with loss_parallel():
+            pass
+
+
+def test_npu_mesh_without_ascend_says_so():
+    code = "from hyper_parallel import init_device_mesh; init_device_mesh('npu', (1,))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HYPER_PARALLEL_PLATFORM": "mindspore"})
+    assert out.returncode != 0 and "needs MindSpore built for Ascend" in out.stderr, out.stderr[-1500:]

@@ -34,10 +34,15 @@ def is_single_process() -> bool:
 def ensure_process_group(device_type: str) -> None:
     """Join the job the launcher started (msrun or the MS_* variables); a world of one when the
     process was started on its own."""
-    if _state["initialized"]:
-        return
     if device_type not in _DEVICE_TARGET:
         raise ValueError(f"device_type {device_type!r} is not one of {sorted(_DEVICE_TARGET)} on MindSpore")
+    if _state["initialized"]:
+        if _DEVICE_TARGET[device_type] != _state["device"]:
+            raise RuntimeError(
+                f"this process already runs MindSpore on {_state['device']}; a {device_type!r} mesh needs a "
+                f"process started for it"
+            )
+        return
     import mindspore as ms
 
     target = _DEVICE_TARGET[device_type]
