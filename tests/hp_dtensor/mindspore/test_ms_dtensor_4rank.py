@@ -11,6 +11,7 @@ import itertools
 import random
 
 import numpy as np
+import pytest
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -105,6 +106,40 @@ def _redistribute_cases(rank, world, mesh_shape):
     return checked
 
 
+def _shared_value_gradient(rank, world, partial_first):
+    """A gathered value used by a column-parallel matmul (behind a reshape: its gradient comes back
+    as per-rank terms) and by replicated math plus to_local (whole gradients), in either order:
+    the gradient of the original shard is exact, and the terms are reduced once."""
+    import mindspore as ms
+    from mindspore import Tensor, mint
+
+    from hp_dtensor import CommDebugMode, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    A = _A()
+    Wt = np.random.RandomState(3).randn(8, 4).astype(np.float32)
+    G1 = np.random.RandomState(4).randn(4, 4).astype(np.float32)
+    w = distribute_tensor(Tensor(Wt), mesh, [Shard(1)], src_data_rank=None)
+    g1 = Tensor(np.split(G1, world, 1)[rank])
+
+    def loss(xl):
+        x = DTensor.from_local(xl, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
+
+        def column():
+            return (mint.matmul(x.reshape(4, 8), w).to_local() * g1).sum()
+
+        def whole():
+            return (x * 2.0).sum().to_local() + x.to_local()[0, 0]
+
+        return column() + whole() if partial_first else whole() + column()
+
+    with CommDebugMode() as comm:
+        grad = ms.grad(loss, 0)(Tensor(np.split(A, world, 0)[rank])).asnumpy()
+    full = G1 @ Wt.T + 2.0
+    full[0, 0] += 1.0
+    return grad, np.split(full, world, 0)[rank], comm.get_comm_counts()
+
+
 def _distribute_and_check(rank, world):
     from mindspore import Tensor, nn
 
@@ -150,6 +185,16 @@ def test_redistribute_all_layouts_on_the_world_group(pool):
 
 def test_redistribute_on_a_2x2_mesh_uses_composed_subgroup_collectives(pool):
     assert pool.run(_redistribute_cases, (2, 2)) == [60] * 4
+
+
+@pytest.mark.parametrize("partial_first", [True, False])
+def test_gradient_of_a_gathered_value_with_mixed_consumers(pool, partial_first):
+    for grad, want, counts in pool.run(_shared_value_gradient, partial_first):
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
+        # forward all_gather; backward one reduce_scatter (terms first) or, when a whole-gradient
+        # consumer decided first, an all_reduce for the matmul's terms then a local chunk.
+        assert counts == ({"all_gather": 1, "reduce_scatter": 1} if partial_first
+                          else {"all_gather": 1, "all_reduce": 1}), counts
 
 
 def test_distribute_tensor_from_local_and_distribute_module(pool):

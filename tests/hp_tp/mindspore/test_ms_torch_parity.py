@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,call-overload,attr-defined,func-returns-value,arg-type,index"
 """Cross-backend parity: C1-C3 and D3 with the same weights, inputs and hp_tp plan on 2 MindSpore
-ranks and on 2 torch (gloo) ranks; outputs and every local gradient agree within fp32 tolerance.
+ranks and on 2 torch (gloo) ranks; outputs and every local gradient agree within fp32 tolerance,
+and both issue the same collectives (forward, backward and the parameter gradients' reductions).
 MindSpore names LayerNorm's parameters gamma/beta where torch says weight/bias."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _inputs(case, rank, world):
 
 
 def _run(rank, world, case, framework):
-    from hyper_parallel import init_device_mesh, parallelize_module
+    from hyper_parallel import CommDebugMode, init_device_mesh, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     W, x, up = _inputs(case, rank, world)
@@ -63,18 +64,24 @@ def _run(rank, world, case, framework):
         build = {"C1": lambda: ms_dense(W["w1"], W["b1"]), "C2": lambda: ms_dense(W["w2"], W["b2"]),
                  "C3": lambda: ms_mlp(W), "D3": lambda: ms_block(W)}[case]
         module = parallelize_module(build(), mesh, _plan(case))
-        res = ms_grads(module, Tensor(np.ascontiguousarray(x)), Tensor(np.ascontiguousarray(up)))
-        return {("d:" + _MS_NAME[k[2:]] if k[2:] in _MS_NAME else k): v for k, v in res.items()}
+        with CommDebugMode() as comm:
+            res = ms_grads(module, Tensor(np.ascontiguousarray(x)), Tensor(np.ascontiguousarray(up)))
+        res = {("d:" + _MS_NAME[k[2:]] if k[2:] in _MS_NAME else k): v for k, v in res.items()}
+        return res, comm.get_comm_counts()
     build = {"C1": lambda: t_linear(W["w1"], W["b1"]), "C2": lambda: t_linear(W["w2"], W["b2"]),
              "C3": lambda: t_mlp(W), "D3": lambda: t_block(W)}[case]
-    return t_grads(parallelize_module(build(), mesh, _plan(case)), x, up)
+    module = parallelize_module(build(), mesh, _plan(case))
+    with CommDebugMode() as comm:
+        res = t_grads(module, x, up)
+    return res, comm.get_comm_counts()
 
 
 @pytest.mark.parametrize("case", ["C1", "C2", "C3", "D3"])
 def test_same_outputs_and_gradients_on_torch_and_mindspore(case, ms_pool, torch_pool):
     ms_res = ms_pool.run(_run, case, "mindspore")
     torch_res = torch_pool.run(_run, case, "torch")
-    for rank, (m, t) in enumerate(zip(ms_res, torch_res)):
+    for rank, ((m, m_counts), (t, t_counts)) in enumerate(zip(ms_res, torch_res)):
+        assert m_counts == t_counts, (case, m_counts, t_counts)
         assert set(m) == set(t), (sorted(m), sorted(t))
         for key in sorted(t):
             np.testing.assert_allclose(m[key], t[key], err_msg=f"{case} rank {rank} {key}", **TOL)

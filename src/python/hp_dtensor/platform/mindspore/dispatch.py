@@ -5,7 +5,9 @@ MindSpore hands every op that has a DTensor argument to ``DTensor.__fallback__``
 (op, input specs, other arguments); the inputs are redistributed as it asks (differentiably), the
 op runs on local data with fallback off, and tensor outputs are wrapped with the placements the
 rule gave.  Because autograd runs on local tensors, a replicated input whose op gives ranks
-different outputs gets ``AllReduceGrad`` so its local gradient is whole (see ``redistribute.py``).
+different outputs holds only this rank's term of its gradient: a parameter or op output gets
+``AllReduceGrad`` (its gradient must be whole), a value made by ``redistribute`` lets its
+``GradLayout`` collect the terms once in its own backward (see ``redistribute.py``).
 An op without a rule replicates its inputs (correct, slower) and warns once naming the op.
 """
 
@@ -20,7 +22,7 @@ from mindspore._c_expression import NoFallbackGuard
 from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
-from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, Redistribute
+from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
 from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo, map_leaves
 
@@ -190,22 +192,48 @@ def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int,
     )
 
 
+def _transparent(leaves: list[Any], req: tuple[Any, ...], outputs: tuple[Any, ...]) -> bool:
+    """One DTensor input, replicated wherever its output is: every rank computes the same thing,
+    so the op passes a gradient through in whatever form it comes (whole or as terms)."""
+    return sum(isinstance(x, DTensor) for x in leaves) == 1 and all(
+        o is None or all(isinstance(o[k], Replicate) for k, p in enumerate(req) if isinstance(p, Replicate))
+        for o in outputs
+    )
+
+
 def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any,
          decision: Decision) -> Any:
     leaves = flat + [v for _, v in kw_items]
     locals_: list[Any] = []
     dt_locals: list[Any] = []
+    passed_layout: GradLayout | None = None
     i = 0
     for leaf in leaves:
         if isinstance(leaf, DTensor):
             spec = leaf._spec
             target = decision.inputs[i]
-            local: Any = leaf
-            if target is not None and target != spec.placements:
-                local = Redistribute.apply(leaf, mesh, spec.shape, spec.placements, target)
             req = target if target is not None else spec.placements
-            dims = _grad_sum_dims(req, decision.outputs)
-            if dims and leaf.is_floating_point():
+            # Mesh dims on which this op's local backward yields only this rank's term of the
+            # input's gradient.
+            dims = _grad_sum_dims(req, decision.outputs) if leaf.is_floating_point() else ()
+            local: Any = leaf
+            layout = leaf._grad_layout
+            if target is not None and target != spec.placements:
+                # The redistribution's backward collects the terms itself (e.g. reduce_scatter).
+                local = Redistribute.apply(leaf._whole_grad_use(leaf), mesh, spec.shape, spec.placements, target,
+                                           GradLayout(dims))
+            elif layout is not None and not dims and _transparent(leaves, req, decision.outputs):
+                passed_layout = layout
+            elif layout is not None:
+                if layout.partial is None:
+                    layout.partial = dims
+                missing = tuple(k for k in dims if k not in layout.partial)
+                extra = tuple(k for k in layout.partial if k not in dims)
+                if missing:
+                    local = AllReduceGrad.apply(local, mesh, missing)
+                if extra:
+                    local = KeepGradOnRoot.apply(local, mesh, extra)
+            elif dims:
                 local = AllReduceGrad.apply(local, mesh, dims)
             locals_.append(local)
             dt_locals.append(local)
@@ -234,7 +262,12 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
             out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
         else:
             out = func(*local_args, **local_kwargs)
-    return _wrap(out, mesh, decision)
+    result = _wrap(out, mesh, decision)
+    if passed_layout is not None:
+        for r in result if isinstance(result, (list, tuple)) else (result,):
+            if isinstance(r, DTensor):
+                r._grad_layout = passed_layout
+    return result
 
 
 def _wrap_one(out: Tensor, mesh: Any, pl: Any) -> Any:

@@ -28,7 +28,7 @@ from hp_dtensor.dtensor_spec import (
 )
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.platform.mindspore.redistribute import Redistribute
+from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
 from hp_dtensor.shard_geometry import check_equal_shard_shapes
 
 
@@ -36,6 +36,8 @@ class DTensor(Tensor):  # type: ignore[misc]
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
 
     _spec: DTensorSpec
+    # Set on values made by ``redistribute``: how their gradient is collected (see GradLayout).
+    _grad_layout: GradLayout | None = None
 
     def __new__(cls, local_tensor: Any, spec: DTensorSpec | None = None) -> DTensor:
         if spec is None:
@@ -96,7 +98,20 @@ class DTensor(Tensor):  # type: ignore[misc]
                 "to_local(grad_placements=...) is not supported on MindSpore: the local gradient's layout "
                 "follows the tensor's placements"
             )
-        return Tensor._make_subclass(Tensor, self)
+        # The caller's gradient for a plain tensor is whole on every rank.
+        return self._whole_grad_use(Tensor._make_subclass(Tensor, self))
+
+    def _whole_grad_use(self, local: Any) -> Any:
+        """``local`` (this value, as some consumer will use it) adapted to a consumer whose
+        backward hands back a whole gradient (see ``GradLayout``)."""
+        layout = self._grad_layout
+        if layout is None:
+            return local
+        if layout.partial is None:
+            layout.partial = ()
+        elif layout.partial:
+            return KeepGradOnRoot.apply(local, self._spec.mesh, layout.partial)
+        return local
 
     def redistribute(
         self,
@@ -112,8 +127,11 @@ class DTensor(Tensor):  # type: ignore[misc]
         dst = redistribute_target(spec, device_mesh, placements)
         if dst == spec.placements:
             return self
-        out = Redistribute.apply(self, spec.mesh, spec.shape, spec.placements, dst)
-        return DTensor(out, DTensorSpec(spec.mesh, dst, spec.shape))
+        layout = GradLayout()
+        out = DTensor(Redistribute.apply(self._whole_grad_use(self), spec.mesh, spec.shape, spec.placements, dst, layout),
+                      DTensorSpec(spec.mesh, dst, spec.shape))
+        out._grad_layout = layout
+        return out
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
         """The whole tensor on every rank (differentiable)."""

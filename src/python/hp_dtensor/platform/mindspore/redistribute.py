@@ -7,7 +7,9 @@ of ``Replicate`` is the full gradient on every rank, of a ``Partial("sum")`` ter
 and of a ``Partial("avg")`` term the full gradient divided by the mesh size.  MindSpore's autograd
 runs on local tensors; ``Redistribute.backward`` runs the planner's plan between those gradient
 layouts, and ``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a
-rank-dependent output (Megatron's "f").
+rank-dependent output (Megatron's "f").  The one exception: a replicated value made by
+``redistribute`` may collect its gradient as per-rank terms (``GradLayout``), so that its own
+backward sums them once -- the torch backend gets the same effect from Partial gradients.
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ from hp_dtensor.redistribute_planner import plan_redistribute
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
+
+
+class GradLayout:
+    """How the gradient of a replicated value produced by ``Redistribute`` comes back: whole on
+    every rank (``partial == ()``) or as per-rank terms to be summed over the mesh dims in
+    ``partial``.  The value's first consumer decides (``None`` until then); later consumers adapt
+    their own contribution to it, and ``Redistribute.backward`` reads it, so a value gathered once
+    and used by several column-parallel layers is reduced once (reduce_scatter back to its shards)
+    instead of once per layer."""
+
+    __slots__ = ("partial",)
+
+    def __init__(self, partial: tuple[int, ...] | None = None) -> None:
+        self.partial = partial
 
 
 def redistribute_local(
@@ -86,13 +102,15 @@ def _avg_factor(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) 
 
 
 def grad_back(grad: Any, mesh: DeviceMesh, global_shape: tuple[int, ...],
-              src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> Tensor:
-    """The gradient of a ``src`` value from the gradient of its ``dst`` redistribution."""
+              src: tuple[Placement, ...], dst: tuple[Placement, ...], partial: tuple[int, ...] = ()) -> Tensor:
+    """The gradient of a ``src`` value from the gradient of its ``dst`` redistribution (held as
+    per-rank terms on the mesh dims in ``partial``)."""
     g = C._plain(grad)
     up = _avg_factor(dst, mesh.shape)
     if up != 1:
         g = g * up
-    g = redistribute_local(g, mesh, global_shape, grad_placements(dst), grad_placements(src))
+    incoming = tuple(Partial("sum") if k in partial else p for k, p in enumerate(grad_placements(dst)))
+    g = redistribute_local(g, mesh, global_shape, incoming, grad_placements(src))
     down = _avg_factor(src, mesh.shape)
     return g / down if down != 1 else g
 
@@ -101,8 +119,8 @@ class Redistribute(ms._Function):  # type: ignore[misc]
     """Local shard in ``src`` -> local shard in ``dst``; backward redistributes the gradient back."""
 
     @staticmethod
-    def forward(ctx: Any, local: Any, mesh: Any, global_shape: Any, src: Any, dst: Any) -> Tensor:
-        ctx.meta = (mesh, global_shape, src, dst)
+    def forward(ctx: Any, local: Any, mesh: Any, global_shape: Any, src: Any, dst: Any, layout: Any) -> Tensor:
+        ctx.meta = (mesh, global_shape, src, dst, layout)
         with NoFallbackGuard():
             plain = C._plain(local)
             out = redistribute_local(plain, mesh, global_shape, src, dst)
@@ -111,9 +129,10 @@ class Redistribute(ms._Function):  # type: ignore[misc]
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        mesh, global_shape, src, dst = ctx.meta
+        mesh, global_shape, src, dst, layout = ctx.meta
         with NoFallbackGuard():
-            return grad_back(grad, mesh, global_shape, src, dst), None, None, None, None
+            g = grad_back(grad, mesh, global_shape, src, dst, layout.partial or ())
+            return g, None, None, None, None, None
 
 
 class AllReduceGrad(ms._Function):  # type: ignore[misc]
@@ -134,4 +153,25 @@ class AllReduceGrad(ms._Function):  # type: ignore[misc]
             g = C._plain(grad)
             for k in mesh_dims:
                 g = C.all_reduce(g, "sum", mesh.get_group(k), mesh.shape[k], coord[k])
+            return g, None, None
+
+
+class KeepGradOnRoot(ms._Function):  # type: ignore[misc]
+    """Identity forward; backward keeps the gradient on coordinate 0 of the given mesh dims and
+    zeros it elsewhere: a whole gradient becomes per-rank terms with the same sum (exact), for a
+    consumer of a value whose gradient is collected as terms (``GradLayout``)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, mesh: Any, mesh_dims: Any) -> Tensor:
+        ctx.meta = (mesh, mesh_dims)
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        mesh, mesh_dims = ctx.meta
+        coord = mesh.get_coordinate()
+        with NoFallbackGuard():
+            g = C._plain(grad)
+            if any(coord[k] != 0 for k in mesh_dims):
+                g = ops.zeros_like(g)
             return g, None, None
