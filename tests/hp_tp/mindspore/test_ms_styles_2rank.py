@@ -124,6 +124,54 @@ def _no_parallel(rank, world):
     return rep, ms_grads(cell, _t(W["x"] @ W["w1"].T), _t(W["g_hidden"]))
 
 
+def _more_compositions(rank, world):
+    """C7: SequenceParallel on Dropout(p=0) is the identity on the shard.  C9: a sequence-sharded
+    activation gathered into a NoParallel Dense.  C10: PrepareModuleInput(Shard(0) -> Replicate)
+    in front of a Colwise Dense.  C11: Rowwise Dense whose output PrepareModuleOutput re-shards."""
+    from mindspore import nn
+
+    from hyper_parallel import (
+        ColwiseParallel,
+        NoParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        Replicate,
+        RowwiseParallel,
+        SequenceParallel,
+        Shard,
+        parallelize_module,
+    )
+
+    W = weights(13)
+    mesh = _mesh()
+    x_seq = _t(chunk(W["x"], 1, world, rank))
+    drop = parallelize_module(nn.Dropout(p=0.0), mesh, SequenceParallel())
+    c7 = drop(x_seq).to_local().asnumpy()
+
+    class Wrap(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, x):
+            return self.inner(x)
+
+    c9_cell = parallelize_module(Wrap(ms_dense(W["w2"][:, :H], W["b2"])), mesh, {
+        "inner": NoParallel(input_layout=Shard(1), desired_input_layout=Replicate())})
+    c9 = c9_cell(x_seq).asnumpy()
+
+    c10_cell = parallelize_module(Wrap(ms_dense(W["w1"], W["b1"])), mesh, {"inner": ColwiseParallel()})
+    c10_cell = parallelize_module(c10_cell, mesh, PrepareModuleInput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)))
+    c10 = c10_cell(_t(chunk(W["x"], 0, world, rank))).asnumpy()
+
+    row = parallelize_module(ms_dense(W["w2"], W["b2"]), mesh, RowwiseParallel(use_local_output=False))
+    row = parallelize_module(row, mesh, PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                            desired_output_layouts=(Shard(1),)))
+    c11 = row(_t(chunk(W["x"] @ W["w1"].T, -1, world, rank))).asnumpy()
+    return c7, c9, c10, c11
+
+
 def _prepare_kwargs(rank, world):
     """PrepareModuleInput with a kwargs pre-hook: positional and keyword inputs both gathered."""
     from mindspore import nn
@@ -339,6 +387,19 @@ def test_C8_no_parallel_linear(pool):
         assert rep
         for key in ("out", "dx", "d:weight", "d:bias"):
             np.testing.assert_allclose(r[key], ref[key], **TOL)
+
+
+def test_C7_C9_C10_C11_compositions(pool):
+    W = weights(13)
+    out = pool.run(_more_compositions)
+    full_c9 = W["x"] @ W["w2"][:, :H].T + W["b2"]
+    full_c10 = W["x"] @ W["w1"].T + W["b1"]
+    full_c11 = (W["x"] @ W["w1"].T) @ W["w2"].T + W["b2"]
+    for rank, (c7, c9, c10, c11) in enumerate(out):
+        np.testing.assert_allclose(c7, chunk(W["x"], 1, 2, rank), **TOL)
+        np.testing.assert_allclose(c9, full_c9, **TOL)
+        np.testing.assert_allclose(c10, chunk(full_c10, -1, 2, rank), **TOL)
+        np.testing.assert_allclose(c11, chunk(full_c11, 1, 2, rank), **TOL)
 
 
 def test_prepare_module_input_kwargs_pre_hook(pool):
