@@ -34,7 +34,8 @@ class GradLayout:
     ``partial``.  The value's first consumer decides (``None`` until then); later consumers adapt
     their own contribution to it, and ``Redistribute.backward`` reads it, so a value gathered once
     and used by several column-parallel layers is reduced once (reduce_scatter back to its shards)
-    instead of once per layer."""
+    instead of once per layer.  Redistribute inside the function you differentiate: a redistributed
+    value passed to ``mindspore.grad`` as an input may get its gradient as those terms."""
 
     __slots__ = ("partial",)
 
