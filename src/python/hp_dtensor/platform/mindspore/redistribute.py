@@ -20,8 +20,9 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.placement_types import Partial, Placement, Replicate
 from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.redistribute_exec import run_plan
 from hp_dtensor.redistribute_planner import plan_redistribute
 
 if TYPE_CHECKING:
@@ -54,39 +55,21 @@ def redistribute_local(
     local = C._plain(local)
     if src == dst:
         return local
-    plan = plan_redistribute(mesh.shape, global_shape, src, dst)
-    coord = mesh.get_coordinate()
-    assert coord is not None, "this rank is not part of the mesh"
-    for step in plan.steps:
-        k = step.mesh_dim
-        n = mesh.shape[k]
-        idx = coord[k]
-        kind = step.kind
-        if kind == "chunk":
-            assert isinstance(step.dst, Shard)
-            local = C._chunk(local, step.dst.dim, n, idx)
-            continue
-        if kind == "to_partial":
-            assert isinstance(step.dst, Partial)
-            if step.dst.reduce_op == "sum" and idx != 0:
-                local = ops.zeros_like(local)
-            continue
-        group = mesh.get_group(k)
-        if kind == "all_gather":
-            assert isinstance(step.src, Shard)
-            local = C.all_gather(local, step.src.dim, group, n, idx)
-        elif kind == "all_reduce":
-            assert isinstance(step.src, Partial)
-            local = C.all_reduce(local, step.src.reduce_op, group, n, idx)
-        elif kind == "reduce_scatter":
-            assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
-            local = C.reduce_scatter(local, step.dst.dim, step.src.reduce_op, group, n, idx)
-        elif kind == "all_to_all":
-            assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
-            local = C.all_to_all(local, step.dst.dim, step.src.dim, group, n, idx)
-        else:  # pragma: no cover - the planner emits only the kinds above
-            raise AssertionError(kind)
-    return local
+    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
+
+
+class _Primitives:
+    """MindSpore's ``PlanPrimitives``: the collectives module, composed where CPU lacks them."""
+
+    chunk = staticmethod(C._chunk)
+    zeros_like = staticmethod(ops.zeros_like)
+    all_gather = staticmethod(C.all_gather)
+    all_reduce = staticmethod(C.all_reduce)
+    reduce_scatter = staticmethod(C.reduce_scatter)
+    all_to_all = staticmethod(C.all_to_all)
+
+
+_PRIMITIVES = _Primitives()
 
 
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
@@ -136,15 +119,19 @@ class Redistribute(ms._Function):  # type: ignore[misc]
             return g, None, None, None, None, None
 
 
-class AllReduceGrad(ms._Function):  # type: ignore[misc]
-    """Identity forward; backward sums the gradient over the given mesh dims.  Put on a replicated
-    input whose op gives each rank a different output: each rank's local backward then holds one
-    term of the input's gradient."""
+class _GradOnly(ms._Function):  # type: ignore[misc]
+    """Identity forward over ``(local, mesh, mesh_dims)``; subclasses change only the gradient."""
 
     @staticmethod
     def forward(ctx: Any, local: Any, mesh: Any, mesh_dims: Any) -> Tensor:
         ctx.meta = (mesh, mesh_dims)
         return local
+
+
+class AllReduceGrad(_GradOnly):
+    """Backward sums the gradient over the given mesh dims.  Put on a replicated input whose op
+    gives each rank a different output: each rank's local backward then holds one term of the
+    input's gradient."""
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -157,22 +144,16 @@ class AllReduceGrad(ms._Function):  # type: ignore[misc]
             return g, None, None
 
 
-class KeepGradOnRoot(ms._Function):  # type: ignore[misc]
-    """Identity forward; backward keeps the gradient on coordinate 0 of the given mesh dims and
-    zeros it elsewhere: a whole gradient becomes per-rank terms with the same sum (exact), for a
-    consumer of a value whose gradient is collected as terms (``GradLayout``)."""
-
-    @staticmethod
-    def forward(ctx: Any, local: Any, mesh: Any, mesh_dims: Any) -> Tensor:
-        ctx.meta = (mesh, mesh_dims)
-        return local
+class KeepGradOnRoot(_GradOnly):
+    """Backward keeps the gradient on coordinate 0 of the given mesh dims and zeros it elsewhere:
+    a whole gradient becomes per-rank terms with the same sum (exact), for a consumer of a value
+    whose gradient is collected as terms (``GradLayout``)."""
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         mesh, mesh_dims = ctx.meta
-        coord = mesh.get_coordinate()
         with NoFallbackGuard():
             g = C._plain(grad)
-            if any(coord[k] != 0 for k in mesh_dims):
+            if any(mesh.get_coordinate()[k] != 0 for k in mesh_dims):
                 g = ops.zeros_like(g)
             return g, None, None

@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.placement_types import Partial, Placement, Replicate
 from hp_dtensor.platform.torch import collectives as C
+from hp_dtensor.redistribute_exec import run_plan
 from hp_dtensor.redistribute_planner import plan_redistribute
 
 if TYPE_CHECKING:
@@ -24,39 +25,37 @@ def redistribute_local(
     """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
     if src == dst:
         return local
-    plan = plan_redistribute(mesh.shape, global_shape, src, dst)
-    coord = mesh.get_coordinate()
-    assert coord is not None, "this rank is not part of the mesh"
-    for step in plan.steps:
-        k = step.mesh_dim
-        n = mesh.shape[k]
-        kind = step.kind
-        if kind == "chunk":
-            assert isinstance(step.dst, Shard)
-            size = local.shape[step.dst.dim] // n
-            local = local.narrow(step.dst.dim, coord[k] * size, size).contiguous()
-            continue
-        if kind == "to_partial":
-            assert isinstance(step.dst, Partial)
-            if step.dst.reduce_op == "sum" and coord[k] != 0:
-                local = torch.zeros_like(local)
-            continue
-        group = mesh.get_group(k)
-        if kind == "all_gather":
-            assert isinstance(step.src, Shard)
-            local = C.all_gather(local, step.src.dim, group, n)
-        elif kind == "all_reduce":
-            assert isinstance(step.src, Partial)
-            local = C.all_reduce(local, step.src.reduce_op, group, n)
-        elif kind == "reduce_scatter":
-            assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
-            local = C.reduce_scatter(local, step.dst.dim, step.src.reduce_op, group, n)
-        elif kind == "all_to_all":
-            assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
-            local = C.all_to_all(local, step.dst.dim, step.src.dim, group, n)
-        else:  # pragma: no cover - planner emits only the kinds above
-            raise AssertionError(kind)
-    return local
+    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
+
+
+class _Primitives:
+    """torch's ``PlanPrimitives`` over gloo/nccl collectives (which need no coordinate)."""
+
+    @staticmethod
+    def chunk(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+        size = t.shape[dim] // n
+        return t.narrow(dim, index * size, size).contiguous()
+
+    zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def all_gather(t: torch.Tensor, dim: int, group: Any, n: int, index: int) -> torch.Tensor:
+        return C.all_gather(t, dim, group, n)
+
+    @staticmethod
+    def all_reduce(t: torch.Tensor, op: str, group: Any, n: int, index: int) -> torch.Tensor:
+        return C.all_reduce(t, op, group, n)
+
+    @staticmethod
+    def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int, index: int) -> torch.Tensor:
+        return C.reduce_scatter(t, dim, op, group, n)
+
+    @staticmethod
+    def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> torch.Tensor:
+        return C.all_to_all(t, split_dim, concat_dim, group, n)
+
+
+_PRIMITIVES = _Primitives()
 
 
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
