@@ -67,6 +67,14 @@ def _raw_all_gather0(t: Tensor, group: Any, n: int, index: int) -> Tensor:
     return summed.reshape((n * t.shape[0],) + tuple(t.shape[1:]))
 
 
+def _gathered_max_min(t: Tensor, op: str, group: Any, n: int, index: int) -> Tensor:
+    """max/min over the group, which CPU AllReduce lacks: gather every rank's copy, reduce locally."""
+    if op not in ("max", "min"):
+        raise ValueError(f"reduce op {op!r} is not one of sum, avg, max, min")
+    stacked = _raw_all_gather0(t.reshape((1,) + tuple(t.shape)), group, n, index)
+    return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+
+
 def all_reduce(t: Any, op: str, group: Any, n: int, index: int) -> Tensor:
     t = _plain(t)
     if n == 1:
@@ -77,10 +85,7 @@ def all_reduce(t: Any, op: str, group: Any, n: int, index: int) -> Tensor:
         return out / n if op == "avg" else out
     if _native():
         return ops.AllReduce(op=op, group=group)(t)
-    if op not in ("max", "min"):
-        raise ValueError(f"all_reduce op {op!r} is not one of sum, avg, max, min")
-    stacked = _raw_all_gather0(t.reshape((1,) + tuple(t.shape)), group, n, index)
-    return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+    return _gathered_max_min(t, op, group, n, index)
 
 
 def all_gather(t: Any, dim: int, group: Any, n: int, index: int) -> Tensor:
@@ -117,8 +122,7 @@ def reduce_scatter(t: Any, dim: int, op: str, group: Any, n: int, index: int) ->
         if op == "avg":
             full = full / n
     else:
-        stacked = _raw_all_gather0(t.reshape((1,) + tuple(t.shape)), group, n, index)
-        full = stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+        full = _gathered_max_min(t, op, group, n, index)
     return _chunk(full, dim, n, index)
 
 

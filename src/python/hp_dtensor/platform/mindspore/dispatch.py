@@ -14,6 +14,7 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from mindspore import Tensor
@@ -26,10 +27,22 @@ from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout
 from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo, map_leaves
 
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A decision plus what the gradient bookkeeping derives from it, per DTensor input: the mesh
+    dims on which the op's local backward yields only this rank's term of the input's gradient,
+    and whether the op passes the input's gradient through unchanged in form (see ``_run``)."""
+
+    decision: Decision
+    grad_dims: tuple[tuple[int, ...], ...]
+    transparent: tuple[bool, ...]
+
+
 _TABLE = OpTable()
 RULES = _TABLE.rules
 KERNELS = _TABLE.kernels
-_cache: dict[Any, tuple[Decision, bool]] = {}
+_cache: dict[Any, _Prepared] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
 
@@ -126,8 +139,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if len(_cache) > _CACHE_LIMIT:
                 _cache.clear()
             _cache[key] = cached
-    decision, _ = cached
-    return _run(func, flat, shape, kw_items, mesh, decision)
+    return _run(func, flat, shape, kw_items, mesh, cached)
 
 
 def _join_local_updates(name: str, flat: list[Any]) -> list[Any]:
@@ -166,8 +178,7 @@ def _info(leaf: Any) -> Any:
     return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
 
 
-def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]],
-            mesh: Any) -> tuple[Decision, bool]:
+def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any) -> _Prepared:
     args = _unflatten([_info(x) for x in flat], shape)
     kwargs = {k: _info(v) for k, v in kw_items}
     call = OpCall(name, mesh.shape, args, kwargs)
@@ -180,8 +191,16 @@ def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[s
                 stacklevel=4,
             )
         rep = tuple(Replicate() for _ in mesh.shape)
-        return Decision(tuple(rep for _ in call.tensors()), (rep,)), True
-    return rule(call), False
+        decision = Decision(tuple(rep for _ in call.tensors()), (rep,))
+    else:
+        decision = rule(call)
+    reqs = [target if target is not None else t.placements for t, target in zip(call.tensors(), decision.inputs)]
+    grad_dims = tuple(_grad_sum_dims(req, decision.outputs) for req in reqs)
+    single = len(reqs) == 1
+    transparent = tuple(
+        single and not dims and _replicated_where_input_is(req, decision.outputs) for req, dims in zip(reqs, grad_dims)
+    )
+    return _Prepared(decision, grad_dims, transparent)
 
 
 def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int, ...]:
@@ -192,17 +211,18 @@ def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int,
     )
 
 
-def _transparent(leaves: list[Any], req: tuple[Any, ...], outputs: tuple[Any, ...]) -> bool:
-    """One DTensor input, replicated wherever its output is: every rank computes the same thing,
+def _replicated_where_input_is(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> bool:
+    """Every output is replicated wherever the (only) input is: every rank computes the same thing,
     so the op passes a gradient through in whatever form it comes (whole or as terms)."""
-    return sum(isinstance(x, DTensor) for x in leaves) == 1 and all(
+    return all(
         o is None or all(isinstance(o[k], Replicate) for k, p in enumerate(req) if isinstance(p, Replicate))
         for o in outputs
     )
 
 
 def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any,
-         decision: Decision) -> Any:
+         prep: _Prepared) -> Any:
+    decision = prep.decision
     leaves = flat + [v for _, v in kw_items]
     locals_: list[Any] = []
     dt_locals: list[Any] = []
@@ -212,17 +232,14 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
         if isinstance(leaf, DTensor):
             spec = leaf._spec
             target = decision.inputs[i]
-            req = target if target is not None else spec.placements
-            # Mesh dims on which this op's local backward yields only this rank's term of the
-            # input's gradient.
-            dims = _grad_sum_dims(req, decision.outputs) if leaf.is_floating_point() else ()
+            dims = prep.grad_dims[i] if leaf.is_floating_point() else ()
             local: Any = leaf
             layout = leaf._grad_layout
             if target is not None and target != spec.placements:
                 # The redistribution's backward collects the terms itself (e.g. reduce_scatter).
                 local = Redistribute.apply(leaf._whole_grad_use(leaf), mesh, spec.shape, spec.placements, target,
                                            GradLayout(dims))
-            elif layout is not None and not dims and _transparent(leaves, req, decision.outputs):
+            elif layout is not None and prep.transparent[i]:
                 passed_layout = layout
             elif layout is not None:
                 if layout.partial is None:
