@@ -215,7 +215,7 @@ def _worker(rank: int, world: int, args: Args, store: str, results: Any) -> None
 
         plat = current()
         plat.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        plat.init_with_file_store("gloo", store, rank, world, timeout_s=600)
+        plat.init_rank("gloo", store, rank, world, timeout_s=600)
         out = train(args, load_config(args), rank, world, distributed=True)
         plat.destroy()
         results.put((rank, True, out if rank == 0 else None))

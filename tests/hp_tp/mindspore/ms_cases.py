@@ -115,23 +115,27 @@ def ms_block(W: dict[str, np.ndarray]) -> Any:
     return Block()
 
 
-def ms_grads(cell: Any, x: Any, upstream: Any, *, local_out: Any = None) -> dict[str, np.ndarray]:
+def ms_grads(cell: Any, x: Any, upstream: Any, *, input_grad: bool = True) -> dict[str, np.ndarray]:
     """Run ``cell(x)``, take loss = sum(output * upstream) on this rank (the global loss is the sum
     of the ranks' terms when outputs are sharded, or any rank's when they are replicated) and
-    return the local output, the input gradient and every parameter's local gradient."""
+    return the local output, the input gradient (``dx``, unless ``input_grad=False``: integer ids)
+    and every parameter's local gradient (``d:<name>``)."""
     import mindspore as ms
 
     named = [(n, p) for n, p in cell.parameters_and_names() if p.requires_grad]
     names = [n for n, _ in named]
     params = [p for _, p in named]
-    to_local = local_out or (lambda y: y.to_local() if hasattr(y, "placements") else y)
 
     def loss_fn(inp: Any) -> Any:
-        y = to_local(cell(inp))
+        y = cell(inp)
+        y = y.to_local() if hasattr(y, "placements") else y
         return (y * upstream).sum(), y
 
-    (_, y), (dx, dws) = ms.value_and_grad(loss_fn, 0, params, has_aux=True)(x)
-    out = {"out": y.asnumpy(), "dx": dx.asnumpy()}
+    (_, y), grads = ms.value_and_grad(loss_fn, 0 if input_grad else None, params, has_aux=True)(x)
+    dx, dws = grads if input_grad else (None, grads)
+    out = {"out": y.asnumpy()}
+    if dx is not None:
+        out["dx"] = dx.asnumpy()
     for name, g in zip(names, dws):
         out["d:" + name] = g.asnumpy()
     return out

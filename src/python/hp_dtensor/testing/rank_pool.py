@@ -43,11 +43,10 @@ def _free_port() -> int:
 
 
 def _ms_scheduler_main(env: dict[str, str]) -> None:
-    """MindSpore's scheduler role: serves the workers' rendezvous until they are done."""
     os.environ.update(env)
-    from mindspore.communication import init
+    from hp_dtensor.platform import current
 
-    init()
+    current().serve_scheduler()
 
 
 def _rank_main(
@@ -59,7 +58,7 @@ def _rank_main(
     plat = current()
     plat.set_num_threads(1)
     try:
-        plat.init_with_file_store(backend, store_path, rank, world_size, timeout_s=300)
+        plat.init_rank(backend, store_path, rank, world_size, timeout_s=300)
     except BaseException:
         results.put((-1, rank, False, traceback.format_exc()))
         return

@@ -70,14 +70,23 @@ def ensure_process_group(device_type: str) -> None:
     _state.update(initialized=True, single=False)
 
 
-def init_with_file_store(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """RankPool's entry point: the pool put this rank's MS_* variables in the environment (the
-    file store is a torch notion; MindSpore rendezvouses at its scheduler)."""
+def init_rank(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join a job as ``rank`` of ``world_size``.  MindSpore rendezvouses at its scheduler, whose
+    address the launcher (msrun, RankPool) put in the MS_* variables; ``backend`` and the
+    rendezvous ``path`` are torch's notions and unused here."""
     ensure_process_group("cpu")
     if get_world_size() != world_size or get_rank() != rank:
         raise RuntimeError(
             f"MindSpore started rank {get_rank()} of {get_world_size()}, the pool expected {rank} of {world_size}"
         )
+
+
+def serve_scheduler() -> None:
+    """Run MindSpore's scheduler role (``MS_ROLE=MS_SCHED`` with the launcher variables set):
+    serves the workers' rendezvous until they are done.  What msrun starts next to the workers."""
+    from mindspore.communication import init
+
+    init()
 
 
 def init_fake(rank: int, world_size: int) -> None:

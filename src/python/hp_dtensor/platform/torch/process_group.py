@@ -20,7 +20,7 @@ def backend_for(device_type: str) -> str:
         raise RuntimeError("device_type='cuda' but torch has no CUDA device; install a CUDA build of torch or use 'cpu'")
     if device_type == "npu":
         try:
-            import torch_npu  # type: ignore[import-not-found]  # noqa: F401
+            import torch_npu  # type: ignore[import-not-found]  # noqa: F401  # pants: no-infer-dep
         except ImportError as e:
             raise RuntimeError(
                 "device_type='npu' needs torch_npu with Ascend's CANN toolkit installed"
@@ -47,8 +47,9 @@ def ensure_process_group(device_type: str) -> None:
     dist.init_process_group(backend)
 
 
-def init_with_file_store(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Start the default group on a FileStore (no TCP rendezvous port to collide on)."""
+def init_rank(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join a job as ``rank`` of ``world_size``: the default group rendezvouses on a FileStore at
+    ``path`` (no TCP port to collide on)."""
     store = dist.FileStore(path, world_size)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
