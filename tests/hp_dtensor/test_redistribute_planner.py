@@ -117,6 +117,7 @@ def test_pure_modules_import_without_a_framework() -> None:
         "sys.meta_path.insert(0, Block())\n"
         "import hp_dtensor, hp_dtensor.placement_types, hp_dtensor.mesh_layout, hp_dtensor.shard_geometry\n"
         "import hp_dtensor.redistribute_planner, hp_dtensor.comm_debug, hp_dtensor.dtensor_spec, hp_dtensor.redistribute_exec\n"
+        "import hp_dtensor.rng_tracker\n"
         "import hp_dtensor.sharding.pointwise, hp_dtensor.sharding.matrix, hp_dtensor.sharding.views\n"
         "import hp_dtensor.sharding.reductions, hp_dtensor.sharding.norms, hp_dtensor.sharding.embedding\n"
         "import hp_dtensor.sharding.attention, hp_dtensor.sharding.loss\n"

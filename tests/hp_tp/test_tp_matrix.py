@@ -278,6 +278,20 @@ def _C7_C8_C9(rank: int, world: int) -> bool:
     drop = parallelize_module(nn.Dropout(0.0), mesh, SequenceParallel())
     x = torch.randn(2, 8, 16)
     _close(drop(_chunk(x, 1, rank, world)).full_tensor(), x)
+    # C7 with p > 0: each rank's mask is its slice of the one-process mask (same seed), and the
+    # gradient is masked the same way
+    drop = parallelize_module(nn.Dropout(0.5), mesh, SequenceParallel())
+    xr = x.clone().requires_grad_(True)
+    xd = _chunk(x, 1, rank, world).requires_grad_(True)
+    g = torch.randn(2, 8, 16)
+    torch.manual_seed(70)
+    y = drop(xd)
+    torch.manual_seed(70)
+    y_ref = nn.functional.dropout(xr, 0.5, True)
+    assert torch.equal(y.full_tensor(), y_ref) and 0 < int((y_ref == 0).sum()) < y_ref.numel()
+    (y_ref * g).sum().backward()
+    (y.to_local() * _chunk(g, 1, rank, world)).sum().backward()
+    assert torch.equal(xd.grad, _chunk(xr.grad, 1, rank, world))
     # C8: NoParallel Linear gives the single-device output on every rank
     ref = nn.Linear(16, 8)
     lin = parallelize_module(copy.deepcopy(ref), mesh, NoParallel())

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from hp_dtensor.comm_debug import CommDebugMode
 from hp_dtensor.device_mesh import DeviceMesh, get_current_mesh, init_device_mesh
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.rng_tracker import manual_seed
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CommDebugMode", "DeviceMesh", "DTensor", "Partial", "Placement", "Replicate", "Shard",
-    "distribute_module", "distribute_tensor", "get_current_mesh", "init_device_mesh",
+    "distribute_module", "distribute_tensor", "get_current_mesh", "init_device_mesh", "manual_seed",
 ]

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hp_dtensor import CommDebugMode, DeviceMesh, Partial, Placement, Replicate, Shard, init_device_mesh
+from hp_dtensor import (
+    CommDebugMode,
+    DeviceMesh,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    init_device_mesh,
+    manual_seed,
+)
 from hp_tp import (
     ColwiseParallel,
     NoParallel,
@@ -39,5 +48,5 @@ __all__ = [
     "ColwiseParallel", "NoParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "loss_parallel", "parallelize_module",
     "CommDebugMode", "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
-    "distribute_module", "distribute_tensor", "init_device_mesh",
+    "distribute_module", "distribute_tensor", "init_device_mesh", "manual_seed",
 ]

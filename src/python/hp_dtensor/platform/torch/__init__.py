@@ -36,6 +36,7 @@ from hp_dtensor.platform.torch.process_group import (
     init_rank,
     is_initialized,
 )
+from hp_dtensor.platform.torch.random_ops import RNG
 
 NAME = "torch"
 
@@ -51,5 +52,5 @@ __all__ = [
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
-    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads",
+    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
 ]

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
+from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
@@ -137,6 +138,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         kernel_call = _loss_parallel.override(func, args, kwargs)
         if kernel_call is not None:
             return kernel_call()
+    if func in RANDOM_OPS and args and isinstance(args[0], DTensor):
+        return run_random(func, args, kwargs)
     return _dispatch_one(func, args, kwargs)
 
 

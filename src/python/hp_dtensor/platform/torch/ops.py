@@ -64,7 +64,6 @@ _NONLINEAR = [
 ]
 _LIKE_FACTORIES = [
     aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
-    aten.rand_like.default, aten.randn_like.default,
 ]
 
 
@@ -80,7 +79,6 @@ register(*_ADD_LIKE)(_pw("add"))
 register(*_MUL_LIKE)(_pw("mul"))
 register(*_DIV_LIKE)(_pw("div"))
 register(*_NONLINEAR)(_pw(None))
-register(aten.native_dropout.default)(_pw(None, n_outputs=2))
 
 
 @register(*_LIKE_FACTORIES)

@@ -1,0 +1,159 @@
+"""Random aten ops on DTensors: draw the global tensor, keep this rank's shard.
+
+The policy (why every rank draws the global tensor, when generator states are synchronised) is
+in ``hp_dtensor.rng_tracker``; this module is torch's half: which aten ops draw random numbers,
+how each one's global draw is made from a stand-in of the global shape, and the generator
+primitives the tracker needs.
+
+Placements of the result: an in-place op keeps its tensor's placements (on a ``Partial("sum")``
+mesh dim the drawn values are kept on coordinate 0 and zeros elsewhere, so the sum is the draw);
+a ``*_like`` op returns its input's placements with ``Partial`` replaced by ``Replicate``;
+dropout keeps its input's placements (it is linear in the input for a fixed mask, and the mask
+is the same on every rank) and returns the mask with ``Partial`` replaced by ``Replicate``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor.platform.torch import collectives as C
+from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
+from hp_dtensor.platform.torch.redistribute import redistribute_local
+from hp_dtensor.rng_tracker import ensure_synced
+
+aten = torch.ops.aten
+
+# Ops that overwrite their first argument with fresh draws (its values are not read).
+_FILL = {
+    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.exponential_.default,
+    aten.geometric_.default, aten.cauchy_.default, aten.log_normal_.default, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to,
+}
+# Ops that return fresh draws shaped like their first argument (its values are not read).
+_LIKE = {
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    aten.randint_like.low_dtype, aten.bernoulli.p,
+}
+# Ops whose draw depends on the values of their first argument (probabilities).
+_BY_VALUE = {aten.bernoulli.default, aten.bernoulli_.Tensor}
+_DROPOUT = {aten.native_dropout.default}
+
+RANDOM_OPS = frozenset(_FILL | _LIKE | _BY_VALUE | _DROPOUT)
+
+
+def _no_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def _replicated(n: int) -> tuple[Placement, ...]:
+    return tuple(Replicate() for _ in range(n))
+
+
+def _shard_of(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """This rank's piece of a tensor every rank holds whole (local slicing, no collective)."""
+    return redistribute_local(full, mesh, tuple(full.shape), _replicated(mesh.ndim), placements)
+
+
+def _stand_in(dt: DTensor) -> torch.Tensor:
+    local = dt._local_tensor
+    return torch.empty(dt._spec.shape, dtype=local.dtype, device=local.device)
+
+
+def _whole(value: Any, mesh: DeviceMesh) -> Any:
+    """A DTensor argument as the whole tensor (the draw needs every value); others unchanged."""
+    if not isinstance(value, DTensor):
+        return value
+    spec = value._spec
+    return redistribute_local(value._local_tensor, mesh, spec.shape, spec.placements, _replicated(mesh.ndim))
+
+
+def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run random aten op ``func`` whose first argument is a DTensor."""
+    dt = args[0]
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"{func}: the first argument must be a DTensor, got {type(dt).__name__}")
+    spec = dt._spec
+    mesh = spec.mesh
+    rest = tuple(_whole(a, mesh) for a in args[1:])
+    kw = {k: _whole(v, mesh) for k, v in kwargs.items()}
+    ensure_synced(mesh)
+    if func in _FILL:
+        full = _stand_in(dt)
+        func(full, *rest, **kw)
+        dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
+        return dt
+    if func in _LIKE:
+        out_pl = _no_partial(spec.placements)
+        full = func(_stand_in(dt), *rest, **kw)
+        return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
+    if func in _BY_VALUE:
+        probs = _whole(dt, mesh)
+        if func is aten.bernoulli_.Tensor:
+            full = torch.empty_like(probs).bernoulli_(*rest, **kw)
+            dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
+            return dt
+        out_pl = _no_partial(spec.placements)
+        full = func(probs, *rest, **kw)
+        return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
+    if func in _DROPOUT:
+        p, train = rest[0], rest[1] if len(rest) > 1 else kw.get("train")
+        if not train:
+            # No draw: the op is the identity with an all-true mask.
+            out, mask = func(dt._local_tensor, *rest, **kw)
+            mask_pl = _no_partial(spec.placements)
+            return (
+                DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
+                DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
+            )
+        _, full_mask = func(_stand_in(dt), *rest, **kw)
+        mask_pl = _no_partial(spec.placements)
+        mask = _shard_of(full_mask, mesh, mask_pl)
+        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+        # The same arithmetic as the op itself, so the result is bit-equal to one process.
+        out = dt._local_tensor.mul(mask).mul_(scale)
+        return (
+            DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
+            DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
+        )
+    raise AssertionError(f"{func} is not a random op")  # pragma: no cover - guarded by RANDOM_OPS
+
+
+class _TorchRNG:
+    """The ``RNGPrimitives`` of torch: the CPU default generator, exchanges over gloo/nccl."""
+
+    @staticmethod
+    def set_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def gather_int(value: int, mesh: DeviceMesh) -> list[int]:
+        # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
+        row = torch.tensor([[value >> 32, value & 0xFFFFFFFF]], dtype=torch.int64)
+        for k in reversed(range(mesh.ndim)):
+            row = C.all_gather(row.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k]).flatten(0, 1)
+        return [(hi << 32) | lo for hi, lo in row.tolist()]
+
+    @staticmethod
+    def broadcast_rng_state(mesh: DeviceMesh) -> bool:
+        mine = torch.get_rng_state()
+        state = mine
+        coord = mesh.get_coordinate()
+        assert coord is not None, "this rank is not part of the mesh"
+        # Along each mesh dim in turn from coordinate 0: afterwards every rank holds the state of
+        # the rank at coordinate (0, ..., 0).
+        for k in range(mesh.ndim):
+            if mesh.shape[k] > 1:
+                state = C.broadcast(state, mesh.group_ranks(k)[0], mesh.get_group(k))
+        changed = not torch.equal(state, mine)
+        if changed:
+            torch.set_rng_state(state)
+        return changed
+
+
+RNG = _TorchRNG()
+
+__all__ = ["RANDOM_OPS", "RNG", "run_random"]
