@@ -29,7 +29,7 @@ if [[ -n "$(git status --porcelain)" ]]; then
 fi
 
 probed=""
-restore() { if [[ -n "${probed}" ]]; then git checkout --quiet -- "${probed}"; probed=""; fi; }
+restore() { if [[ -n "${probed}" ]]; then git checkout --quiet -- "${probed}"; probed=""; fi; return 0; }
 trap restore EXIT
 trap 'exit 130' INT TERM
 
@@ -53,7 +53,7 @@ for sample in "${samples[@]}"; do
   restore
   expected="$(for t in ${all_tests}; do
     f="$(folder_of <<<"${t}")"
-    for want in ${folders}; do [[ "${f}" == "${want}" ]] && echo "${t}"; done
+    for want in ${folders}; do if [[ "${f}" == "${want}" ]]; then echo "${t}"; fi; done
   done | sort)"
   got_folders="$(folder_of <<<"${selected}" | sort | uniq -c | awk '{printf "%s (%s) ", $2, $1}')"
   if [[ -n "${selected}" && "${selected}" == "${expected}" ]]; then
