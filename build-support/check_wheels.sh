@@ -21,21 +21,22 @@ cache="${HP_WHEEL_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/hyper-parallel/wheels
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
+stage() { echo "-- $* (at ${SECONDS}s)"; }
 
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
 
-echo "-- building the wheels"
+stage "building the wheels"
 rm -rf dist
 ./pants --filter-target-type=python_distribution package ::
 wheels=(dist/*.whl)
 [[ "${#wheels[@]}" -eq 5 ]] || { ls dist >&2; fail "expected 5 wheels, got ${#wheels[@]}"; }
 whl() { local f=(dist/"$1"-*.whl); echo "${root}/${f[0]}"; }
 
-echo "-- wheel metadata"
+stage "wheel metadata"
 python3.11 build-support/check_wheel_metadata.py dist
 
-echo "-- hp-tp + hp-dtensor[torch]"
+stage "hp-tp + hp-dtensor[torch]"
 ls "${TORCH_FIND_LINKS}"/torch-"${TORCH_VERSION}"*.whl >/dev/null 2>&1 \
   || fail "no torch-${TORCH_VERSION} wheel in ${TORCH_FIND_LINKS} (set TORCH_FIND_LINKS to the folder with the CPU wheel)"
 echo "torch==${TORCH_VERSION}" > "${work}/torch-constraint.txt"
@@ -60,10 +61,10 @@ assert "site-packages" in hp_tp.__file__, hp_tp.__file__
 print(f"ok: installed {first_party} with torch {installed['torch']}; no mindspore; numpy {installed['numpy']} untouched")
 PY
 (cd "${work}" && timeout 300 "${work}/torch/bin/torchrun" --standalone --nproc-per-node 2 \
-  "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '^\*' -e OMP_NUM_THREADS) \
+  "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS) \
   || fail "the 2-rank TP example failed"
 
-echo "-- hp-protocols + hp-dtensor[mindspore]"
+stage "hp-protocols + hp-dtensor[mindspore]"
 mkdir -p "${cache}"
 if ! ls "${cache}"/mindspore-"${MINDSPORE_VERSION}"-*.whl >/dev/null 2>&1; then
   # Pants downloads the same wheel for the mindspore resolve; copy it rather than fetch it again.
@@ -71,14 +72,19 @@ if ! ls "${cache}"/mindspore-"${MINDSPORE_VERSION}"-*.whl >/dev/null 2>&1; then
     -name "mindspore-${MINDSPORE_VERSION}-cp311-*.whl" 2>/dev/null | head -n 1 || true)"
   if [[ -n "${found}" ]]; then cp "${found}" "${cache}/"; fi
 fi
-# Fills the cache with what is missing (files already there are not downloaded again), then the
-# venv installs from the cache and the local wheels only.
-"${work}/torch/bin/pip" download --quiet -d "${cache}" --find-links "${cache}" --find-links "${root}/dist" \
-  "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
-rm -f "${cache}"/hp_*.whl "${cache}"/hyper_parallel-*.whl
 python3.11 -m venv "${work}/ms"
-"${work}/ms/bin/pip" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
-  "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+ms_install() {
+  "${work}/ms/bin/pip" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
+    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+}
+# The venv installs from the cache and the local wheels only; when the cache lacks something, it is
+# filled first (files already there are not downloaded again).
+if ! ms_install 2>/dev/null; then
+  "${work}/torch/bin/pip" download --quiet -d "${cache}" --find-links "${cache}" --find-links "${root}/dist" \
+    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+  rm -f "${cache}"/hp_*.whl "${cache}"/hyper_parallel-*.whl
+  ms_install
+fi
 "${work}/ms/bin/python" - <<'PY'
 import importlib.metadata as md
 installed = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
@@ -89,4 +95,4 @@ print(f"ok: installed {first_party} with mindspore {installed['mindspore']}, num
 PY
 (cd "${work}" && GLOG_v=3 timeout 300 "${work}/ms/bin/python" "${root}/build-support/wheel_examples/ms_job.py") \
   || fail "the MindSpore JobConfig example failed"
-echo "ok: the wheels install alone"
+echo "ok: the wheels install alone (${SECONDS}s)"
