@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Proves the package-edge rules of DESIGN.md are enforced: every forbidden import below must make
+# Proves the package-edge rules (docs/architecture.md) are enforced: every forbidden import below must make
 # `pants dependencies` fail, an allowed one must pass, and the clean tree must pass.
 # Probe files are written into the tree and always removed.
 set -euo pipefail

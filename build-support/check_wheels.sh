@@ -1,25 +1,98 @@
 #!/usr/bin/env bash
-# Builds the five wheels and proves the packages install on their own: in a fresh venv, hp-tp
-# (with hp-dtensor's wheel beside it) installs and imports without hp_protocols or hp_models.
+# Builds the wheels and proves each package installs on its own, its framework from an extra:
+#   1. every wheel's Requires-Dist lists exactly its allowed first-party edges as ~= ranges, and no
+#      framework, numpy bound or exact pin outside an extra (check_wheel_metadata.py);
+#   2. hp-tp + hp-dtensor[torch] in a fresh venv that already holds numpy 2: torch comes in,
+#      mindspore does not, numpy is untouched, and a 2-rank TP MLP under torchrun (gloo) matches
+#      one process;
+#   3. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
+#      and a JobConfig resolves into a mesh and a DTensor.
+# torch is constrained to the CPU wheel on disk (an unconstrained torch is a multi-GB CUDA build).
+# MindSpore (~800 MB) is kept in a wheel cache (HP_WHEEL_CACHE) and reused from Pants' own
+# download of the mindspore resolve when there is one, so it is fetched at most once per machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+root="$(pwd)"
+
+TORCH_VERSION="2.13.0"
+TORCH_FIND_LINKS="${TORCH_FIND_LINKS:-/opt/wheels}"
+MINDSPORE_VERSION="2.10.0"
+cache="${HP_WHEEL_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/hyper-parallel/wheels}"
+export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+stage() { echo "-- $* (at ${SECONDS}s)"; }
+
+work="$(mktemp -d)"
+trap 'rm -rf "${work}"' EXIT
+
+stage "building the wheels"
 rm -rf dist
-./pants package ::
-count=$(ls dist/*.whl | wc -l)
-[[ "${count}" -eq 5 ]] || { echo "FAIL: expected 5 wheels, got ${count}" >&2; ls dist >&2; exit 1; }
-venv="$(mktemp -d)/venv"
-trap 'rm -rf "$(dirname "${venv}")"' EXIT
-python3.11 -m venv "${venv}"
-# torch==2.13.0 comes from the machine's pip find-links (the CPU wheel), like the lockfile.
-"${venv}/bin/pip" install --quiet --find-links dist dist/hp_tp-*.whl
-"${venv}/bin/python" - <<'PY'
+./pants --filter-target-type=python_distribution package ::
+wheels=(dist/*.whl)
+[[ "${#wheels[@]}" -eq 5 ]] || { ls dist >&2; fail "expected 5 wheels, got ${#wheels[@]}"; }
+whl() { local f=(dist/"$1"-*.whl); echo "${root}/${f[0]}"; }
+
+stage "wheel metadata"
+python3.11 build-support/check_wheel_metadata.py dist
+
+stage "hp-tp + hp-dtensor[torch]"
+ls "${TORCH_FIND_LINKS}"/torch-"${TORCH_VERSION}"*.whl >/dev/null 2>&1 \
+  || fail "no torch-${TORCH_VERSION} wheel in ${TORCH_FIND_LINKS} (set TORCH_FIND_LINKS to the folder with the CPU wheel)"
+echo "torch==${TORCH_VERSION}" > "${work}/torch-constraint.txt"
+python3.11 -m venv "${work}/torch"
+tpip() { "${work}/torch/bin/pip" install --quiet "$@"; }
+tpip "numpy>=2"
+numpy_before="$("${work}/torch/bin/python" -c 'import numpy; print(numpy.__version__)')"
+tpip --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" -c "${work}/torch-constraint.txt" \
+  "$(whl hp_tp)" "$(whl hp_dtensor)[torch]"
+"${work}/torch/bin/python" - "${numpy_before}" <<'PY'
 import importlib.metadata as md
-import importlib.util
+import sys
+
 import hp_tp
-import hp_dtensor
-installed = {d.metadata["Name"].lower() for d in md.distributions()}
-assert {"hp-tp", "hp-dtensor"} <= installed, installed
-for absent in ("hp_protocols", "hp_models", "hyper_parallel"):
-    assert importlib.util.find_spec(absent) is None, f"{absent} was installed with hp-tp"
-print("ok: hp-tp installs with hp-dtensor only:", sorted(n for n in installed if n.startswith("hp")))
+installed = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
+first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
+assert first_party == ["hp-dtensor", "hp-tp"], first_party
+assert "mindspore" not in installed, "hp-dtensor[torch] pulled mindspore"
+assert installed["numpy"] == sys.argv[1], f"numpy moved from {sys.argv[1]} to {installed['numpy']}"
+assert installed["torch"].endswith("+cpu"), installed["torch"]
+assert "site-packages" in hp_tp.__file__, hp_tp.__file__
+print(f"ok: installed {first_party} with torch {installed['torch']}; no mindspore; numpy {installed['numpy']} untouched")
 PY
+(cd "${work}" && timeout 300 "${work}/torch/bin/torchrun" --standalone --nproc-per-node 2 \
+  "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
+  || fail "the 2-rank TP example failed"
+
+stage "hp-protocols + hp-dtensor[mindspore]"
+mkdir -p "${cache}"
+if ! ls "${cache}"/mindspore-"${MINDSPORE_VERSION}"-*.whl >/dev/null 2>&1; then
+  # Pants downloads the same wheel for the mindspore resolve; copy it rather than fetch it again.
+  found="$(find "${HOME}/.cache/pants/named_caches/pex_root" "${HOME}/.pex" -type f -path '*downloads*' \
+    -name "mindspore-${MINDSPORE_VERSION}-cp311-*.whl" 2>/dev/null | head -n 1 || true)"
+  if [[ -n "${found}" ]]; then cp "${found}" "${cache}/"; fi
+fi
+python3.11 -m venv "${work}/ms"
+ms_install() {
+  "${work}/ms/bin/pip" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
+    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+}
+# The venv installs from the cache and the local wheels only; when the cache lacks something, it is
+# filled first (files already there are not downloaded again).
+if ! ms_install 2>/dev/null; then
+  "${work}/torch/bin/pip" download --quiet -d "${cache}" --find-links "${cache}" --find-links "${root}/dist" \
+    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+  rm -f "${cache}"/hp_*.whl "${cache}"/hyper_parallel-*.whl
+  ms_install
+fi
+"${work}/ms/bin/python" - <<'PY'
+import importlib.metadata as md
+installed = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
+first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
+assert first_party == ["hp-dtensor", "hp-protocols"], first_party
+assert "torch" not in installed, "hp-dtensor[mindspore] pulled torch"
+print(f"ok: installed {first_party} with mindspore {installed['mindspore']}, numpy {installed['numpy']}; no torch")
+PY
+(cd "${work}" && GLOG_v=3 timeout 300 "${work}/ms/bin/python" "${root}/build-support/wheel_examples/ms_job.py") \
+  || fail "the MindSpore JobConfig example failed"
+echo "ok: the wheels install alone (${SECONDS}s)"

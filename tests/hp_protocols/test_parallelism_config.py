@@ -1,6 +1,6 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 # (tests drive DTensors through torch APIs typed for plain tensors)
-"""Seed 004: every YAML scenario loads, validates and derives the doc's numbers; every listed
+"""Every YAML job scenario loads, validates and derives its expected numbers; every listed
 violation raises with the fields and numbers named."""
 
 from __future__ import annotations

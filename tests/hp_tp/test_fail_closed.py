@@ -1,7 +1,8 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index"
 # (tests drive DTensors through torch APIs typed for plain tensors)
-"""RFC §8.2 A1-A12 and the §5.2 defaults, in one process over the fake process group: every
-bad input raises the listed type with the listed words before anything is computed."""
+"""Test-matrix rows A1-A12 (docs/tensor-parallel.md) and the styles' defaults, on the fake process
+group in one process: every bad input raises the listed type with the listed words before anything
+is computed."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator"
 # (tests drive DTensors through torch APIs typed for plain tensors)
-"""RFC §8.2 B1-B9, C1-C14 and D1-D5 on real gloo ranks (2 and 4), against single-process
-references with the same weights, plus the exact collective counts of every style.
+"""Test-matrix rows B1-B9, C1-C14, D1-D5 (docs/tensor-parallel.md) on real gloo ranks (2 and 4), against
+single-process references with the same weights, plus the exact collective counts of every style.
 
-Gradient comparisons: every gradient is compared directly with the single-device one.  RFC §7.6
-divides Rowwise weight gradients by tp_size because the NPU suite it quotes all-reduces in the
-backward of the forward all-reduce; here that dual is the identity (as in Megatron and
+Gradient comparisons: every gradient is compared directly with the single-device one.  No Rowwise
+weight gradient is divided by tp_size (a suite that all-reduces in the backward of the forward
+all-reduce would need that); here that dual is the identity (as in Megatron and
 torch.distributed.tensor), so gradients already equal the single-device ones.
 """
 

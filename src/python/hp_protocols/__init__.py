@@ -1,5 +1,5 @@
 """hp_protocols: torchtitan-style protocol layer (Configurable, Module, ShardingConfig, ModelSpec,
-state-dict adapters) and the parallelism configuration users write (seed 004)."""
+state-dict adapters) and the parallelism configuration users write."""
 
 from hp_protocols.configurable import Configurable
 from hp_protocols.model import BaseModel

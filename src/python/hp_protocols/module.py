@@ -1,4 +1,4 @@
-"""``Module``: a framework module built from a Config that can shard itself (seed 002 §3.2).
+"""``Module``: a framework module built from a Config that can shard itself.
 
 ``parallelize(mesh)`` turns the parameters named in ``sharding_config.state_shardings`` into
 DTensors, wraps ``forward`` so its inputs and outputs are resharded as declared, and recurses into

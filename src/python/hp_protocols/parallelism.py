@@ -1,4 +1,4 @@
-"""The parallelism configuration users write (seed 004), its derived sizes and its rules.
+"""The parallelism configuration users write in a job file, its derived sizes and its rules.
 
 A job file has a ``parallelism:`` section (``ParallelismConfig``), a ``training:`` section (batch
 sizes) and optionally the ``model:`` facts and ``train_dataset.dataloader.config`` flags the rules
@@ -21,7 +21,7 @@ _DISPATCHERS = ("alltoall", "alltoall_deredundancy")
 
 @dataclass(kw_only=True)
 class ParallelismConfig:
-    """Every field of the doc's global example, with the doc's defaults."""
+    """Every field of a job file's ``parallelism:`` section, with its default."""
 
     data_parallel_shard: int = -1
     reshard_after_forward_policy: str = "default"
@@ -184,7 +184,7 @@ def _positive(name: str, value: Any) -> None:
 
 
 def resolve(job: JobConfig, world_size: int) -> ParallelDims:
-    """Validate ``job`` for ``world_size`` ranks and derive every size (seed 004's rules)."""
+    """Validate ``job`` for ``world_size`` ranks and derive every size (one check below per rule)."""
     p, t, m, d = job.parallelism, job.training, job.model, job.data
     _positive("world_size", world_size)
     for name in ("tensor_parallel", "context_parallel", "pipeline_parallel", "expert_parallel",

@@ -1,4 +1,4 @@
-"""``parallelize_module``: apply styles to a module tree (seed 000 §4.2)."""
+"""``parallelize_module``: apply styles to a module tree (semantics in docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 

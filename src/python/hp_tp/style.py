@@ -1,4 +1,4 @@
-"""The seven tensor-parallel styles (seed 000 §3-§5): how one submodule is split and what layouts
+"""The seven tensor-parallel styles (docs/tensor-parallel.md): how one submodule is split and what layouts
 its inputs and outputs have.
 
 Styles issue no collective themselves: parameters are split by ``distribute_tensor`` and
@@ -63,7 +63,7 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement)
 
 def _prepare_first_input(layout: Placement, desired: Placement, module: Any, inputs: tuple[Any, ...],
                          mesh: DeviceMesh) -> tuple[Any, ...]:
-    # Only the first positional input is converted (RFC §7.1); a tuple is returned because
+    # Only the first positional input is converted, as in torch's styles; a tuple is returned because
     # MindSpore pre-hooks must return one.
     if not inputs:
         return inputs
@@ -175,7 +175,7 @@ class RowwiseParallel(ParallelStyle):
             default: Placement = Replicate()
         elif plat.is_embedding_module(module):
             placement_of, default = {}, Shard(0)
-            # Token ids are whole on every rank: the lookup needs them replicated (RFC §3.2), and
+            # Token ids must be replicated: each rank looks every id up in its own vocab rows, and
             # that is also their default annotation unless the caller gave one.
             self.desired_input_layouts = (Replicate(),)
             if not self._input_layouts_given:

@@ -80,7 +80,7 @@ def ms_mlp(W: dict[str, np.ndarray]) -> Any:
 
 
 def ms_block(W: dict[str, np.ndarray]) -> Any:
-    """The smallest Qwen-like attention block of seed 000's D3: norm -> attention -> o_proj."""
+    """The smallest Qwen-like attention block (test-matrix row D3): norm -> attention -> o_proj."""
     from mindspore import mint, nn, ops
 
     class Attention(nn.Cell):

@@ -1,7 +1,7 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,call-overload,attr-defined,func-returns-value,arg-type,index"
 """MindSpore, one process (a world of one): everything that needs no communication -- backend
 selection, DTensor API and its errors on a 1-rank mesh, style construction and geometry, hooks,
-and every fail-closed row of seed 000 §9.3 (A1-A12 where they apply to MindSpore)."""
+and every fail-closed row (A1-A12 of docs/tensor-parallel.md where they apply to MindSpore)."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def test_prepare_module_input_kwargs_and_none_slot(mesh):
     np.testing.assert_allclose(out.asnumpy(), [4.0, 6.0])
 
 
-# ------------------------------------------------------------------ fail closed (seed 000 §9.3)
+# ------------------------------------------------------------------ fail closed (rows A1-A12)
 def test_A1_parallel_style_is_abstract():
     with pytest.raises(TypeError, match="abstract"):
         ParallelStyle()  # type: ignore[abstract]

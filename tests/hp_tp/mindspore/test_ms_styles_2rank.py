@@ -1,9 +1,9 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,call-overload,attr-defined,func-returns-value,arg-type,index"
-"""Seed 000 §8.2 E, MindSpore rows, on 2 CPU ranks launched the way MindSpore launches them
+"""Test-matrix row E (docs/tensor-parallel.md), MindSpore rows, on 2 CPU ranks launched as MindSpore does
 (a scheduler and two workers with the MS_* variables): A6, B1/B2, C1-C3, C6, C8, PrepareModule*
 with a kwargs pre-hook and a multi-output forward hook, and D3.  Numbers are checked against a
 single-process MindSpore reference with the same weights (fp32 rtol=1.5e-4, atol=1e-5); gradients
-of sharded weights are compared shard by shard, without the RFC's "/tp_size" (our all_reduce's
+of sharded weights are compared shard by shard, without dividing by tp_size (our all_reduce's
 dual is the identity, as in Megatron and torch).  The ranks start once for the module.
 """
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan of Qwen3.5 (seed 000 §1).
+"""The tensor-parallel plan of Qwen3.5 (the styles are described in docs/tensor-parallel.md).
 
 With sequence parallelism, activations between blocks are DTensors sharded on the sequence
 (``Shard(1)``): norms run on their shard, each token mixer and MLP gathers the sequence at entry
@@ -116,7 +116,7 @@ def parallelize_qwen3_5_tp(
 
 
 def _reduce_dtype(model: Any) -> Any:
-    # Low-precision models reduce the attention output in fp32 (seed 000 §1); fp32 models need nothing.
+    # Low-precision models sum the attention output over ranks in fp32 to limit rounding; fp32 needs nothing.
     dtype = next(model.parameters()).dtype
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
 
