@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,func-returns-value,union-attr"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,func-returns-value,union-attr,var-annotated,assignment"
 """MindSpore DTensor on 4 mccl ranks against one-process MindSpore (and numpy), for the classes of
 silent wrong answers found by trying it as a user would:
 
