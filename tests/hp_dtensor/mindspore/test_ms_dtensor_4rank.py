@@ -45,13 +45,13 @@ def _local_of(value, placements, mesh_shape, coord, D):
 
 
 def _grad_of(G, placements, mesh_shape, coord):
-    """Expected local gradient of a value with ``placements`` when the loss is sum(full * G)."""
+    """Expected local gradient of a value with ``placements`` when the loss is sum(full * G):
+    torch.distributed.tensor's convention, the global gradient with Partial read as Replicate
+    (so a Partial("avg") term gets G, not G/n)."""
     g = G
     for k, p in enumerate(placements):
         if p.is_shard():
             g = np.split(g, mesh_shape[k], axis=p.dim)[coord[k]]
-        elif p.is_partial() and p.reduce_op == "avg":
-            g = g / mesh_shape[k]
     return g
 
 

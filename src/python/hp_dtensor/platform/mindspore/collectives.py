@@ -1,20 +1,32 @@
 """Collectives on local MindSpore tensors along one mesh dim (no autograd; callers give duals).
 
 MindSpore's CPU backend (mccl) runs only AllReduce (sum, float32/float16) on any group, and
-AllGather / Broadcast on the world group.  Everything else is composed here from those:
+AllGather / Broadcast on the world group; AllGather refuses 1-byte and bfloat16 tensors and
+Broadcast returns float16/float64 as float32 and int64 as int32.  Everything else is composed
+here from those, so that every dtype moves bit for bit:
 
-* ``all_gather`` on a subgroup: each rank writes its block into a zero buffer at its slot and the
-  buffers are summed with AllReduce (adding zeros is exact, so the result is bit-identical);
-* ``reduce_scatter``: AllReduce, then the rank keeps its chunk (a ring all-reduce moves about twice
-  the bytes of a native reduce-scatter);
+* gathers of float32/float16 on a subgroup: each rank writes its block into a buffer of ``-0.0``
+  at its slot and the buffers are summed with AllReduce.  ``x + (-0.0) == x`` bit for bit for
+  every x (signed zeros, NaN payloads, subnormals included), in any summation order, so the
+  result is the exact concatenation;
+* gathers of any other dtype move the tensor's bytes: on the world group as int32 words through
+  AllGather (a copy), on a subgroup as one byte per float16 element (0..255, exact) through the
+  same slot-and-sum AllReduce (twice the bytes);
+* ``all_reduce`` of float32/float16 sums is the native AllReduce; every other reduction (other
+  dtypes, max, min) gathers the exact values and reduces them locally in rank order, so every rank
+  gets the same result and NaN propagates through max/min.  float64 sums in float64, integers in
+  their own type, bfloat16 in float32 rounded once;
+* ``reduce_scatter``: all_reduce, then the rank keeps its chunk (a ring all-reduce moves about
+  twice the bytes of a native reduce-scatter);
 * ``all_to_all``: all_gather along the source shard dim, then the rank keeps its chunk of the
   target dim (n times the bytes of a native all-to-all);
-* ``broadcast`` on a subgroup: zeros on every rank but the source, then AllReduce;
-* ``max``/``min`` reductions: all_gather, then the local max/min;
+* ``broadcast``: on the world group native for float32, else the int32 words of the source's
+  bytes; on a subgroup the gather encodings with only the source's value (others ``-0.0`` or
+  zero bytes);
 * ``barrier``: an AllReduce of one element.
 
 On Ascend the native HCCL collectives are used.  ``CommDebugMode`` counts the logical collective
-(a composed reduce_scatter counts as one reduce_scatter), with the bytes the composition moves.
+(a composed reduce_scatter counts as one reduce_scatter), with the bytes of the logical operation.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, ops
 
 from hp_dtensor.comm_debug import record
@@ -33,6 +46,14 @@ _NATIVE_FLOATS = (ms.float32, ms.float16)
 def _plain(t: Any) -> Tensor:
     """A plain Tensor sharing ``t``'s data (a DTensor is a Tensor subclass)."""
     return t if type(t) is Tensor else Tensor._make_subclass(Tensor, t)
+
+
+def copy(t: Tensor) -> Tensor:
+    """A new tensor with ``t``'s values (``ops.deepcopy`` has no bfloat16 CPU kernel; the float32
+    round trip is exact for bfloat16)."""
+    if t.dtype == ms.bfloat16:
+        return t.astype(ms.float32).astype(ms.bfloat16)
+    return ops.deepcopy(t)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -47,45 +68,113 @@ def _is_world(group: Any) -> bool:
     return bool(group == PG.world_group())
 
 
-def _raw_all_reduce_sum(t: Tensor, group: Any) -> Tensor:
-    if t.dtype in _NATIVE_FLOATS or _native():
-        return ops.AllReduce(group=group)(t)
-    if not t.is_floating_point():
-        raise TypeError(
-            f"all_reduce of {t.dtype} tensors is not supported by MindSpore's CPU backend (float32/float16 only)"
-        )
-    return ops.AllReduce(group=group)(t.astype(ms.float32)).astype(t.dtype)
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(Tensor.shape.fget(t))
+
+
+# ---------------------------------------------------------------- exact data movement on CPU
+def _to_numpy(t: Tensor) -> np.ndarray:
+    """``t``'s values as a numpy array; bfloat16 (which numpy lacks) widens to float32 exactly."""
+    if t.dtype == ms.bfloat16:
+        return np.asarray(t.astype(ms.float32).asnumpy())
+    return np.ascontiguousarray(t.asnumpy())
+
+
+def _from_numpy(a: np.ndarray, dtype: Any) -> Tensor:
+    out = Tensor(np.ascontiguousarray(a))
+    return out if out.dtype == dtype else out.astype(dtype)
+
+
+def _gather_bytes(raw: np.ndarray, group: Any, n: int, index: int) -> np.ndarray:
+    """Every rank's ``raw`` (1-D uint8, same length on every rank) as rows of an (n, len) array."""
+    nb = int(raw.size)
+    if nb == 0:
+        return np.zeros((n, 0), np.uint8)
+    if _is_world(group):
+        words = np.zeros(((nb + 3) // 4) * 4, np.uint8)
+        words[:nb] = raw
+        out = ops.AllGather(group=group)(Tensor(words.view(np.int32))).asnumpy()
+        return np.ascontiguousarray(out).view(np.uint8).reshape(n, -1)[:, :nb]
+    buf = np.zeros((n, nb), np.float16)
+    buf[index] = raw
+    summed = ops.AllReduce(group=group)(Tensor(buf)).asnumpy()
+    return np.rint(summed).astype(np.uint8)
+
+
+def _gather_numpy(a: np.ndarray, group: Any, n: int, index: int) -> np.ndarray:
+    """Every rank's ``a`` stacked on a new dim 0, bit for bit."""
+    a = np.ascontiguousarray(a)
+    rows = _gather_bytes(a.reshape(-1).view(np.uint8), group, n, index)
+    return np.ascontiguousarray(rows).view(a.dtype).reshape((n,) + a.shape)
+
+
+def _neg_zeros(shape: tuple[int, ...], dtype: Any) -> Tensor:
+    """A buffer of ``-0.0``: the additive identity that keeps every value's bits (see module doc)."""
+    return mint.neg(mint.zeros(shape, dtype=dtype))
+
+
+def _stack_gather(t: Tensor, group: Any, n: int, index: int) -> Tensor:
+    """Every rank's ``t`` stacked on a new dim 0, in group order, bit for bit."""
+    if _native():
+        return ops.AllGather(group=group)(t.reshape((1,) + _shape(t)))
+    if t.dtype in _NATIVE_FLOATS:
+        if _is_world(group):
+            return ops.AllGather(group=group)(t.reshape((1,) + _shape(t)).contiguous())
+        buf = _neg_zeros((n,) + _shape(t), t.dtype)
+        buf[index] = t
+        return ops.AllReduce(group=group)(buf)
+    return _from_numpy(_gather_numpy(_to_numpy(t), group, n, index), t.dtype)
 
 
 def _raw_all_gather0(t: Tensor, group: Any, n: int, index: int) -> Tensor:
     """Concatenate every rank's ``t`` along dim 0, in group order."""
-    if _native() or _is_world(group):
-        return ops.AllGather(group=group)(t)
-    buf = mint.zeros((n,) + tuple(t.shape), dtype=t.dtype)
-    buf[index] = t
-    summed = _raw_all_reduce_sum(buf, group)
-    return summed.reshape((n * t.shape[0],) + tuple(t.shape[1:]))
+    stacked = _stack_gather(t, group, n, index)
+    shape = _shape(t)
+    return stacked.reshape((n * shape[0],) + shape[1:])
 
 
-def _gathered_max_min(t: Tensor, op: str, group: Any, n: int, index: int) -> Tensor:
-    """max/min over the group, which CPU AllReduce lacks: gather every rank's copy, reduce locally."""
-    if op not in ("max", "min"):
-        raise ValueError(f"reduce op {op!r} is not one of sum, avg, max, min")
-    stacked = _raw_all_gather0(t.reshape((1,) + tuple(t.shape)), group, n, index)
-    return stacked.max(axis=0) if op == "max" else stacked.min(axis=0)
+def _reduce_rows(a: np.ndarray, op: str, n: int) -> np.ndarray:
+    """Reduce the gathered rows ``a[0..n-1]`` in rank order (the same on every rank)."""
+    if a.dtype == np.bool_:
+        if op == "avg":
+            raise TypeError("an 'avg' reduction of bool tensors is undefined; use sum, max or min")
+        return np.asarray(a.all(axis=0) if op == "min" else a.any(axis=0))
+    if op in ("sum", "avg"):
+        total = a.sum(axis=0, dtype=a.dtype)
+        if op == "sum":
+            return np.asarray(total)
+        if not np.issubdtype(a.dtype, np.floating):
+            raise TypeError(f"an 'avg' reduction of {a.dtype} tensors is not exact; reduce with 'sum' and divide")
+        return np.asarray(total / a.dtype.type(n))
+    if op == "max":
+        return np.asarray(a.max(axis=0))  # numpy's max/min propagate NaN
+    if op == "min":
+        return np.asarray(a.min(axis=0))
+    raise ValueError(f"reduce op {op!r} is not one of sum, avg, max, min")
 
 
+def _reduce_by_gather(t: Tensor, op: str, group: Any, n: int, index: int) -> Tensor:
+    if t.dtype in _NATIVE_FLOATS:
+        rows = _stack_gather(t, group, n, index).asnumpy()
+    else:
+        rows = _gather_numpy(_to_numpy(t), group, n, index)
+    return _from_numpy(_reduce_rows(rows, op, n), t.dtype)
+
+
+# ---------------------------------------------------------------- the collectives
 def all_reduce(t: Any, op: str, group: Any, n: int, index: int) -> Tensor:
     t = _plain(t)
     if n == 1:
         return t
     record("all_reduce", _nbytes(t))
-    if op in ("sum", "avg"):
-        out = _raw_all_reduce_sum(t, group)
-        return out / n if op == "avg" else out
     if _native():
+        if op == "avg":
+            return ops.AllReduce(group=group)(t) / n
         return ops.AllReduce(op=op, group=group)(t)
-    return _gathered_max_min(t, op, group, n, index)
+    if op in ("sum", "avg") and t.dtype in _NATIVE_FLOATS:
+        out = ops.AllReduce(group=group)(t)
+        return out / n if op == "avg" else out
+    return _reduce_by_gather(t, op, group, n, index)
 
 
 def all_gather(t: Any, dim: int, group: Any, n: int, index: int) -> Tensor:
@@ -117,12 +206,12 @@ def reduce_scatter(t: Any, dim: int, op: str, group: Any, n: int, index: int) ->
         moved = mint.transpose(t, 0, dim).contiguous() if dim else t
         out = ops.ReduceScatter(op=op, group=group)(moved)
         return mint.transpose(out, 0, dim).contiguous() if dim else out
-    if op in ("sum", "avg"):
-        full = _raw_all_reduce_sum(t, group)
+    if op in ("sum", "avg") and (t.dtype in _NATIVE_FLOATS or _native()):
+        full = ops.AllReduce(group=group)(t)
         if op == "avg":
             full = full / n
     else:
-        full = _gathered_max_min(t, op, group, n, index)
+        full = _reduce_by_gather(t, op, group, n, index)
     return _chunk(full, dim, n, index)
 
 
@@ -143,22 +232,48 @@ def all_to_all(t: Any, split_dim: int, concat_dim: int, group: Any, n: int, inde
 
 
 def broadcast(t: Any, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Tensor:
-    """Every rank gets the value of group-rank ``src_index``."""
+    """Every rank gets the value of group-rank ``src_index`` (``t`` has the same shape and dtype on
+    every rank)."""
     t = _plain(t)
     if n == 1:
         return t
     record("broadcast", _nbytes(t))
-    if _native() or _is_world(group):
-        if t.dtype == ms.bfloat16:
-            return ops.Broadcast(src_global_rank, group=group)((t.astype(ms.float32),))[0].astype(t.dtype)
+    if _native():
         return ops.Broadcast(src_global_rank, group=group)((t.contiguous(),))[0]
-    mine = t if index == src_index else ops.zeros_like(t)
-    return _raw_all_reduce_sum(mine, group)
+    if t.dtype == ms.float32 and _is_world(group):
+        return ops.Broadcast(src_global_rank, group=group)((t.contiguous(),))[0]
+    if t.dtype in _NATIVE_FLOATS and not _is_world(group):
+        mine = t if index == src_index else _neg_zeros(_shape(t), t.dtype)
+        return ops.AllReduce(group=group)(mine)
+    a = _to_numpy(t)
+    raw = a.reshape(-1).view(np.uint8)
+    nb = int(raw.size)
+    if nb == 0:
+        return t
+    if _is_world(group):
+        words = np.zeros(((nb + 3) // 4) * 4, np.uint8)
+        words[:nb] = raw
+        out = ops.Broadcast(src_global_rank, group=group)((Tensor(words.view(np.int32)),))[0].asnumpy()
+        got = np.ascontiguousarray(out).astype(np.int32).view(np.uint8)[:nb]
+    else:
+        buf = raw.astype(np.float16) if index == src_index else np.zeros(nb, np.float16)
+        got = np.rint(ops.AllReduce(group=group)(Tensor(buf)).asnumpy()).astype(np.uint8)
+    return _from_numpy(np.ascontiguousarray(got).view(a.dtype).reshape(a.shape), t.dtype)
 
 
 def barrier(group: Any, n: int) -> None:
     if n == 1:
         return
     record("barrier", 4)
-    out = _raw_all_reduce_sum(mint.ones((1,), dtype=ms.float32), group)
+    out = ops.AllReduce(group=group)(mint.ones((1,), dtype=ms.float32))
     out.asnumpy()  # wait for it
+
+
+def gather_int_table(table: np.ndarray, group: Any, n: int, index: int) -> np.ndarray:
+    """Every rank's int64 ``table`` (the same shape on every rank) concatenated along rows in group
+    order, exactly: how ranks compare metadata before trusting each other's tensors."""
+    if n == 1:
+        return table
+    record("all_gather", int(table.nbytes) * n)
+    rows = _gather_numpy(np.ascontiguousarray(table, np.int64), group, n, index)
+    return rows.reshape((-1,) + table.shape[1:])

@@ -21,7 +21,7 @@ from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
 
 from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.placement_types import Replicate
+from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
 from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
 from hp_dtensor.shard_geometry import global_shape
@@ -92,9 +92,16 @@ def _unflatten(flat: list[Any], shape: list[Any]) -> tuple[Any, ...]:
 
 
 def _key_of(x: Any) -> Any:
+    """A cache-key part for one argument: structural and type-exact, so ``(0, 1)`` and ``0, True``,
+    ``[a]`` and ``(a,)``, ``1``, ``1.0`` and ``True`` never share a decision.  A DTensor is its
+    spec; a plain tensor (only one-element tensors get this far) its shape."""
+    if isinstance(x, DTensor):
+        return x._spec
+    if isinstance(x, Tensor):
+        return (Tensor, tuple(Tensor.shape.fget(x)))
     if isinstance(x, (list, tuple)):
-        return tuple(_key_of(y) for y in x)
-    return x
+        return (type(x), tuple(_key_of(y) for y in x))
+    return (type(x), x)
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -104,7 +111,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         flat = _join_local_updates(name, flat)
     kw_items = list(kwargs.items())
     mesh = None
-    key_parts: list[Any] = [name]
     for leaf in flat + [v for _, v in kw_items]:
         if isinstance(leaf, DTensor):
             spec = leaf._spec
@@ -112,7 +118,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 mesh = spec.mesh
             elif spec.mesh is not mesh and spec.mesh != mesh:
                 raise ValueError(f"{name}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
-            key_parts.append(spec)
         elif isinstance(leaf, Tensor):
             lshape = tuple(Tensor.shape.fget(leaf))
             if lshape and not (name in LOCAL_UPDATE_OPS and _is_one_element(lshape)):
@@ -120,15 +125,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     f"{name}: got a mix of mindspore.Tensor (shape {lshape}) and DTensor arguments; make the "
                     f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
                 )
-            key_parts.append("scalar-tensor")
-        else:
-            key_parts.append(_key_of(leaf))
     if mesh is None:
         raise NotImplementedError(
             f"{name}: a DTensor argument nested more than one list deep is not supported; pass it directly"
         )
-    key_parts.extend(k for k, _ in kw_items)
-    key: Any = tuple(key_parts)
+    key: Any = (name, tuple(_key_of(x) for x in flat), tuple(shape),
+                tuple((k, _key_of(v)) for k, v in kw_items))
     try:
         cached = _cache.get(key)
     except TypeError:  # an unhashable argument: decide every time
@@ -167,11 +169,25 @@ def _is_one_element(shape: tuple[int, ...]) -> bool:
     return all(s == 1 for s in shape)
 
 
+# The in-place updates that commute with a Partial reduction when applied to each rank's term:
+# scaling by a number, zeroing, copying a value of the same layout.  Any other (adding a number,
+# filling, sqrt, ...) would act once per rank.
+_PARTIAL_SAFE_UPDATES = frozenset({"InplaceMuls", "InplaceDivs", "InplaceZero", "InplaceCopy", "Assign"})
+
+
 @register(*LOCAL_UPDATE_OPS)
 def _local_update(call: OpCall) -> Decision:
     """Every argument is already in the layout of the tensor it updates: run shard by shard."""
-    first = call.tensors()[0]
-    return Decision(tuple(None for _ in call.tensors()), (first.placements,))
+    tensors = call.tensors()
+    first = tensors[0]
+    if any(isinstance(p, Partial) for p in first.placements) and (
+        call.name not in _PARTIAL_SAFE_UPDATES or any(t.placements != first.placements for t in tensors[1:])
+    ):
+        raise ValueError(
+            f"in-place {call.name} on a DTensor with placements {first.placements} would apply to every "
+            f"rank's partial term; call .redistribute(placements=[Replicate()]) (or .full_tensor()) first"
+        )
+    return Decision(tuple(None for _ in tensors), (first.placements,))
 
 
 def _info(leaf: Any) -> Any:
@@ -308,3 +324,43 @@ def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
             j += 1
         return type(out)(res)
     return out
+
+
+# ---------------------------------------------------------------- where MindSpore skips __fallback__
+class _ListPrimitiveCall:
+    """A primitive whose tensors come as one list, called the way ``dispatch`` calls an op."""
+
+    def __init__(self, prim: Any, call: Any) -> None:
+        self.prim = prim
+        self.call = call
+        self.name = prim.name
+
+    def __call__(self, tensors: Any, *_attrs: Any) -> Any:
+        return self.call(self.prim, tensors)
+
+
+def _route_list_primitive(cls: Any, attr: str | None) -> None:
+    """MindSpore runs primitives that take a list of tensors (``ops.stack``, ``ops.addn``) without
+    consulting ``__fallback__``, so a list of DTensors would silently compute on local shards and
+    return a plain tensor.  Their ``__call__`` sends a list holding a DTensor to ``dispatch``
+    (with the primitive's attribute, e.g. Stack's axis, as a second argument)."""
+    if getattr(cls.__call__, "_hp_routed", False):
+        return
+    original = cls.__call__
+
+    def __call__(self: Any, *args: Any) -> Any:
+        if len(args) == 1 and isinstance(args[0], (list, tuple)) and any(isinstance(t, DTensor) for t in args[0]):
+            extra = (self.attrs[attr],) if attr is not None else ()
+            return dispatch(_ListPrimitiveCall(self, original), (list(args[0]),) + extra, {})
+        return original(self, *args)
+
+    __call__._hp_routed = True  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+
+
+def install_interceptors() -> None:
+    """Close the paths by which an op on DTensors would bypass ``dispatch`` (idempotent)."""
+    from mindspore.ops import operations as P
+
+    _route_list_primitive(P.Stack, "axis")
+    _route_list_primitive(P.AddN, None)

@@ -26,10 +26,17 @@ from hp_dtensor.dtensor_spec import (
     redistribute_target,
     resolve_mesh,
 )
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.local_check import check_local_records, local_record
+from hp_dtensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    check_one_reduce_op,
+    normalize_placements,
+)
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
-from hp_dtensor.shard_geometry import check_equal_shard_shapes
 
 
 class DTensor(Tensor):  # type: ignore[misc]
@@ -66,6 +73,68 @@ class DTensor(Tensor):  # type: ignore[misc]
     @property
     def device_mesh(self) -> DeviceMesh:
         return self._spec.mesh
+
+    # ----- Python values: the global answer, the same on every rank -----
+    def numel(self) -> int:
+        n = 1
+        for s in self._spec.shape:
+            n *= s
+        return n
+
+    nelement = numel
+
+    @property
+    def size(self) -> int:
+        return self.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * int(self.itemsize)
+
+    def __len__(self) -> int:
+        if not self._spec.shape:
+            raise TypeError("len() of a 0-d DTensor")
+        return self._spec.shape[0]
+
+    def item(self) -> Any:
+        """The one element of the global tensor, on every rank (a collective: call it on all ranks)."""
+        return self.full_tensor().item()
+
+    def tolist(self) -> Any:
+        """The global tensor as nested lists, on every rank (a collective)."""
+        return self.full_tensor().tolist()
+
+    def __float__(self) -> float:
+        return float(self.full_tensor())
+
+    def __int__(self) -> int:
+        return int(self.full_tensor())
+
+    def __index__(self) -> int:
+        return int(self.full_tensor())
+
+    def __bool__(self) -> bool:
+        return bool(self.full_tensor())
+
+    # ----- a plain tensor on the left: ``plain + dtensor`` -----
+    # MindSpore would ask the plain tensor's class for ``__fallback__`` (it has none) and fail
+    # with an internal message.  Python tries a subclass's reflected operator first, so these run
+    # instead: a one-element plain tensor joins as a replicated scalar, anything else is the
+    # mixing error ``dispatch`` gives for plain tensors next to DTensors.
+    def __radd__(self, other: Any) -> Any:
+        return _reflected(self, other, "__add__", Tensor.__radd__)
+
+    def __rsub__(self, other: Any) -> Any:
+        return _reflected(self, other, "__sub__", Tensor.__rsub__)
+
+    def __rmul__(self, other: Any) -> Any:
+        return _reflected(self, other, "__mul__", Tensor.__rmul__)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return _reflected(self, other, "__truediv__", Tensor.__rtruediv__)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return _reflected(self, other, "__matmul__", Tensor.__rmatmul__)
 
     def __repr__(self) -> str:
         return (f"DTensor(local_tensor={self.to_local()}, device_mesh={self._spec.mesh}, "
@@ -125,6 +194,7 @@ class DTensor(Tensor):  # type: ignore[misc]
             device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
         spec = self._spec
         dst = redistribute_target(spec, device_mesh, placements)
+        _check_reduce_ops(dst, self.dtype)
         if dst == spec.placements:
             return self
         layout = GradLayout()
@@ -150,31 +220,64 @@ class DTensor(Tensor):  # type: ignore[misc]
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shard of a DTensor (differentiable, no copy).
 
-        ``run_check=True`` checks with one all_gather of shapes that every rank's shard has the
-        same shape (even sharding), and raises ``ValueError`` naming the ranks that differ."""
+        ``run_check=True`` first exchanges one fixed-size record per rank (ndim, shape, dtype,
+        placements, a checksum of the data), so the check itself cannot hang or mismatch; then
+        every rank raises the same ``ValueError`` naming each rank's value when the ranks disagree on
+        ndim, dtype, placements or shard shape (even sharding), or when ranks sharing a
+        ``Replicate`` mesh dim hold different data."""
         mesh = resolve_mesh(device_mesh, "from_local")
         if isinstance(local_tensor, DTensor):
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
         if not isinstance(local_tensor, Tensor):
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
         lshape = tuple(Tensor.shape.fget(local_tensor))
-        spec = from_local_spec(lshape, mesh, placements, shape)
         if run_check:
-            _check_equal_local_shapes(lshape, mesh)
+            _check_local_metadata(local_tensor, lshape, mesh, placements)
+        spec = from_local_spec(lshape, mesh, placements, shape)
+        _check_reduce_ops(spec.placements, local_tensor.dtype)
         return DTensor(local_tensor, spec)
 
 
-def _check_equal_local_shapes(lshape: tuple[int, ...], mesh: DeviceMesh) -> None:
-    # As on torch: gather every rank's shape over all mesh dims, then every rank decides alike.
+def _reflected(dt: DTensor, other: Any, forward: str, base: Any) -> Any:
+    """``other <op> dt`` for a plain ``other`` (see ``DTensor.__radd__``)."""
+    if not isinstance(other, Tensor) or isinstance(other, DTensor):
+        return base(dt, other)
+    shape = tuple(Tensor.shape.fget(other))
+    if any(s != 1 for s in shape):
+        raise RuntimeError(
+            f"{forward.strip('_')}: got a mix of mindspore.Tensor (shape {shape}) and DTensor arguments; make the "
+            f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
+        )
+    mesh = dt._spec.mesh
+    lifted = DTensor(other, DTensorSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), shape))
+    return getattr(lifted, forward)(dt)
+
+
+def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
+    check_one_reduce_op(placements)
+    if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements) and not dtype.is_floating_point:
+        raise ValueError(
+            f"Partial('avg') needs a floating-point tensor, got {dtype} (an integer average is not exact); "
+            f"use Partial('sum') and divide after reducing"
+        )
+
+
+def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any) -> None:
+    """Every rank's metadata record over every mesh dim, then the same verdict on every rank."""
     coord = mesh.get_coordinate()
-    assert coord is not None
-    rows = Tensor(np.array([list(lshape) + [len(lshape)]], np.float32))
+    if coord is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
+    try:
+        pl = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim,
+                                  mesh.ndim, len(lshape))
+    except (TypeError, ValueError):
+        pl = tuple(Replicate() for _ in range(mesh.ndim))  # the caller's own error comes right after
     with NoFallbackGuard():
+        data = C._to_numpy(C._plain(local)).tobytes()
+        table = np.array([local_record(lshape, str(local.dtype), pl, data)], np.int64)
         for k in reversed(range(mesh.ndim)):
-            gathered = C.all_gather(rows.reshape((1,) + tuple(rows.shape)), 0, mesh.get_group(k), mesh.shape[k], coord[k])
-            rows = gathered.reshape((-1, rows.shape[-1]))
-        table = rows.asnumpy().astype(int).tolist()
-    check_equal_shard_shapes(table, mesh)
+            table = C.gather_int_table(table, mesh.get_group(k), mesh.shape[k], coord[k])
+    check_local_records(table.tolist(), mesh)
 
 
 def distribute_tensor(
@@ -198,6 +301,7 @@ def distribute_tensor(
         raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
     gshape = tuple(Tensor.shape.fget(tensor))
     pl = distribute_placements(gshape, mesh, placements)
+    _check_reduce_ops(pl, tensor.dtype)
     if getattr(tensor, "has_init", False):
         tensor = tensor.init_data()
         src_data_rank = None
@@ -215,7 +319,7 @@ def distribute_tensor(
                 local = C._chunk(local, p.dim, n, coord[k])
             elif isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0:
                 local = ops.zeros_like(local)
-        local = ops.deepcopy(local)
+        local = C.copy(local)
     return DTensor(local, DTensorSpec(mesh, pl, gshape))
 
 

@@ -12,7 +12,10 @@ from typing import Any
 from mindspore import Tensor, mint, ops
 
 from hp_dtensor.placement_types import Replicate, Shard
-from hp_dtensor.platform.mindspore.dispatch import kernel, register
+from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.platform.mindspore import rng
+from hp_dtensor.platform.mindspore.dispatch import install_interceptors, kernel, register
+from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.embedding import embedding_rule
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_rule, softmax_rule
@@ -49,9 +52,39 @@ def _pw(linearity: str | None) -> Any:
     return rule
 
 
-register("Add", "AddExt", "Sub", "SubExt", "AddN")(_pw("add"))
-register("Mul", "Muls", "Neg", "ToDtype", "Cast", "Contiguous", "Clone", "Identity", "Divs")(_pw("mul"))
-register("Div", "RealDiv")(_pw("div"))
+def _not_a_dtensor(x: Any) -> bool:
+    return not isinstance(x, TensorInfo)
+
+
+@register("Add", "AddExt", "Sub", "SubExt")
+def _add_sub(call: OpCall) -> Decision:
+    """x + y stays Partial only when both operands are DTensors: a Python number or a plain scalar
+    tensor would be added once per rank, so a Partial operand is reduced first."""
+    inputs = _prim_inputs(call)
+    linear = not any(_not_a_dtensor(x) for x in inputs[:2])
+    return pointwise_rule(_with_inputs(call, inputs), linearity="add" if linear else None)
+
+
+@register("Div", "RealDiv")
+def _div(call: OpCall) -> Decision:
+    """x / y is linear in x only: ``ops.div(1, x)`` (a number over a DTensor) is not."""
+    inputs = _prim_inputs(call)
+    linear = bool(inputs) and not _not_a_dtensor(inputs[0])
+    return pointwise_rule(_with_inputs(call, inputs), linearity="div" if linear else None)
+
+
+@register("ToDtype", "Cast")
+def _cast(call: OpCall) -> Decision:
+    """A cast to another float type commutes with a sum; one to an integer or bool type rounds
+    each rank's term, so a Partial input is reduced first."""
+    inputs = _prim_inputs(call)
+    target = inputs[1] if len(inputs) > 1 else call.kwargs.get("dtype")
+    to_float = target is None or bool(getattr(target, "is_floating_point", False))
+    return pointwise_rule(_with_inputs(call, inputs), linearity="mul" if to_float else None)
+
+
+register("AddN")(_pw("add"))
+register("Mul", "Muls", "Neg", "Contiguous", "Clone", "Identity", "Divs")(_pw("mul"))
 register(
     "AddScalar", "SubScalar", "ReLU", "SiLU", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
     "Pow", "PowTensorScalar", "GeLU", "Erf", "Abs", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
@@ -66,6 +99,29 @@ def _bias_add(call: OpCall) -> Decision:
     if x.ndim != 2:
         return _replicated(call)  # NCHW: the bias broadcasts on dim 1, not the trailing dim
     return pointwise_rule(_with_inputs(call, (x, b)), linearity="add")
+
+
+# ---------------------------------------------------------------- random
+@register("Dropout")
+def _dropout(call: OpCall) -> Decision:
+    """Dropout(x) -> (y, mask): pointwise on x (a Partial is reduced first: dropping terms is not
+    dropping the sum), with the mask drawn from the job-wide stream (see ``rng.py``)."""
+    x = _prim_inputs(call)[0]
+    dec = pointwise_rule(_with_inputs(call, (x,)), linearity=None, n_outputs=2)
+    return Decision(dec.inputs, dec.outputs, kernel="dropout")
+
+
+@kernel("dropout")
+def _dropout_kernel(mesh: Any, decision: Decision, *args: Any) -> tuple[Tensor, Tensor]:
+    prim = args[0]
+    x = C._plain(_prim_inputs(OpCall("Dropout", mesh.shape, args))[0])
+    keep = float(prim.attrs["keep_prob"])
+    out_pl = decision.outputs[0]
+    assert out_pl is not None
+    gshape = global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
+    u = Tensor(rng.uniform_local(mesh, gshape, out_pl))
+    mask = (u < keep).astype(x.dtype)
+    return x * mask * (1.0 / keep), mask
 
 
 # ---------------------------------------------------------------- matrix products
@@ -131,6 +187,25 @@ def _reshape(call: OpCall) -> Decision:
 register("TransposeExtView", "TransposeExt", "Swapaxes")(transpose_rule)
 register("Transpose", "TransposeView")(lambda c: permute_rule(c, list(c.args[1])))
 register("ExpandDims", "Unsqueeze")(unsqueeze_rule)
+
+
+@register("Stack", "StackExt")
+def _stack(call: OpCall) -> Decision:
+    """stack(tensors, axis): placements agree as for a pointwise op over the (equal-shaped) inputs,
+    linear in all of them; a shard dim at or after ``axis`` moves up by one.  Runs as a kernel:
+    MindSpore's CPU backend has no StackExt kernel."""
+    tensors = list(call.args[0])
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", call.kwargs.get("axis", 0))
+    axis = int(axis) % (tensors[0].ndim + 1)
+    dec = pointwise_rule(OpCall(call.name, call.mesh_shape, tuple(tensors)), linearity="add")
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= axis else p for p in dec.outputs[0] or ())
+    return Decision(dec.inputs, (out,), kernel="stack")
+
+
+@kernel("stack")
+def _stack_kernel(mesh: Any, decision: Decision, tensors: Any, axis: Any = 0, **kwargs: Any) -> Tensor:
+    # The locals may be the DTensor objects themselves (fallback is off here): stack plain views.
+    return ops.stack([C._plain(t) for t in tensors], int(kwargs.get("dim", kwargs.get("axis", axis))))
 
 
 @register("Concat")
@@ -213,3 +288,5 @@ def _masked_gather(mesh: Any, decision: Decision, *args: Any) -> Tensor:
     keep = mint.logical_not(outside).astype(out.dtype)
     return out * keep.reshape(tuple(Tensor.shape.fget(keep)) + (1,))
 
+
+install_interceptors()

@@ -1,12 +1,15 @@
 """Run a planned redistribution on a local MindSpore tensor, and its autograd duals.
 
-Gradient convention (the same the torch backend's Redistribute keeps): the local gradient a rank
-holds for a DTensor is the derivative of the loss with respect to that rank's local data, where the
-copies of a ``Replicate`` value are one variable.  So the gradient of ``Shard(d)`` is ``Shard(d)``,
-of ``Replicate`` is the full gradient on every rank, of a ``Partial("sum")`` term the full gradient,
-and of a ``Partial("avg")`` term the full gradient divided by the mesh size.  MindSpore's autograd
-runs on local tensors; ``Redistribute.backward`` runs the planner's plan between those gradient
-layouts, and ``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a
+Gradient convention (torch.distributed.tensor's, kept by both backends): the local gradient a rank
+holds for a DTensor is the gradient of the loss with respect to the *global* value, laid out as
+the value is, with every ``Partial`` mesh dim read as ``Replicate``.  So the gradient of
+``Shard(d)`` is ``Shard(d)``, of ``Replicate`` the full gradient on every rank, and of a
+``Partial`` term -- ``"sum"`` and ``"avg"`` alike -- the full gradient G on every rank.  For
+``Partial("avg")`` this is *not* the derivative with respect to the rank's own term (that would
+be G/n): torch keeps the replicated gradient in backward instead of re-partialing it, and so do
+we, so the same program gives the same numbers on both backends.  MindSpore's autograd runs on
+local tensors; ``Redistribute.backward`` runs the planner's plan between those gradient layouts,
+and ``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a
 rank-dependent output (Megatron's "f").  The one exception: a replicated value made by
 ``redistribute`` may collect its gradient as per-rank terms (``GradLayout``), so that its own
 backward sums them once -- the torch backend gets the same effect from Partial gradients.
@@ -77,26 +80,12 @@ def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
-def _avg_factor(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> int:
-    f = 1
-    for k, p in enumerate(placements):
-        if isinstance(p, Partial) and p.reduce_op == "avg":
-            f *= mesh_shape[k]
-    return f
-
-
 def grad_back(grad: Any, mesh: DeviceMesh, global_shape: tuple[int, ...],
               src: tuple[Placement, ...], dst: tuple[Placement, ...], partial: tuple[int, ...] = ()) -> Tensor:
     """The gradient of a ``src`` value from the gradient of its ``dst`` redistribution (held as
     per-rank terms on the mesh dims in ``partial``)."""
-    g = C._plain(grad)
-    up = _avg_factor(dst, mesh.shape)
-    if up != 1:
-        g = g * up
     incoming = tuple(Partial("sum") if k in partial else p for k, p in enumerate(grad_placements(dst)))
-    g = redistribute_local(g, mesh, global_shape, incoming, grad_placements(src))
-    down = _avg_factor(src, mesh.shape)
-    return g / down if down != 1 else g
+    return redistribute_local(C._plain(grad), mesh, global_shape, incoming, grad_placements(src))
 
 
 class Redistribute(ms._Function):  # type: ignore[misc]
@@ -109,7 +98,7 @@ class Redistribute(ms._Function):  # type: ignore[misc]
             plain = C._plain(local)
             out = redistribute_local(plain, mesh, global_shape, src, dst)
             # A Function must not hand back its input's storage (rank 0's to_partial keeps it).
-            return out if out is not plain else ops.deepcopy(out)
+            return out if out is not plain else C.copy(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:

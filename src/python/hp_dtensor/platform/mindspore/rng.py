@@ -1,0 +1,57 @@
+"""Random values for DTensor ops on MindSpore: one stream for the whole job, sliced per rank.
+
+MindSpore's CPU random primitives keep a private state per primitive instance, seeded per
+process, so the same op on a ``Replicate`` DTensor draws differently on each rank unless the user
+seeded every rank alike.  Here a random op on a DTensor draws from one job-wide stream instead,
+torch's offset-based semantics: a seed every rank agrees on and an offset every rank advances
+alike (by the global element count of each draw).  Each rank draws the values of the *global*
+tensor at that offset and keeps the slice its placements select, so replicated results are
+identical on every rank and sharded results are the matching slice of the single-device draw.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hp_dtensor.placement_types import Placement, Shard
+
+_state: dict[str, Any] = {"seed": None, "offset": 0}
+
+
+def manual_seed(seed: int) -> None:
+    """Set the job-wide DTensor random stream (call with the same seed on every rank)."""
+    _state.update(seed=int(seed) & 0xFFFF_FFFF_FFFF_FFFF, offset=0)
+
+
+def _agreed_seed(mesh: Any) -> int:
+    """The stream's seed; at first use rank 0 of the world picks one and every rank learns it
+    (so call random ops on every rank, as any collective)."""
+    if _state["seed"] is None:
+        import os
+
+        from hp_dtensor.platform.mindspore import collectives as C
+        from hp_dtensor.platform.mindspore import process_group as PG
+
+        mine = np.frombuffer(os.urandom(8), np.int64).reshape(1, 1)
+        n = PG.get_world_size()
+        if n > 1:
+            mine = C.gather_int_table(mine, PG.world_group(), n, PG.get_rank())[:1]
+        _state["seed"] = int(mine[0, 0]) & 0xFFFF_FFFF_FFFF_FFFF
+    return int(_state["seed"])
+
+
+def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:
+    """Uniform [0, 1) float32 values of the next draw of ``global_shape``, this rank's slice."""
+    seed = _agreed_seed(mesh)
+    offset = int(_state["offset"])
+    numel = int(np.prod(global_shape, dtype=np.int64))
+    _state["offset"] = offset + numel
+    gen = np.random.Generator(np.random.Philox(key=seed, counter=offset))
+    full = gen.random(global_shape, dtype=np.float32)
+    coord = mesh.get_coordinate()
+    for k, p in enumerate(placements):
+        if isinstance(p, Shard):
+            full = np.split(full, mesh.shape[k], axis=p.dim)[coord[k]]
+    return np.ascontiguousarray(full)
