@@ -506,3 +506,35 @@ def test_dropout_on_replicated_dtensors_agrees_across_ranks(pool):
         # the gradient uses the same mask as the forward (one variable replicated: mask * G / keep)
         np.testing.assert_allclose(grad, kept * G / 0.75, rtol=1e-5, atol=1e-5)
     assert 0.5 < (y_rep != 0).mean() < 0.95 and 0.2 < (y_cell != 0).mean() < 0.8
+
+
+def _manual_seed_cases(rank, world, case):
+    from mindspore import Tensor, ops
+
+    from hp_dtensor import DTensor, Replicate, init_device_mesh, manual_seed
+    from hp_dtensor.platform.mindspore import rng
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    if case == "different":
+        manual_seed(7 + (rank == 3), mesh)
+        return None
+    A = np.ones((8, 8), np.float32)
+    rep = DTensor.from_local(Tensor(A), mesh, [Replicate(), Replicate()])
+    manual_seed(2**64 - 5, mesh)
+    via_api = ops.dropout(rep, p=0.5).to_local().asnumpy()
+    rng.manual_seed(2**64 - 5)
+    via_stream = ops.dropout(rep, p=0.5).to_local().asnumpy()
+    return via_api, via_stream
+
+
+def test_manual_seed_seeds_the_dtensor_stream_and_checks_ranks_agree(pool):
+    from hp_dtensor.testing import RankError
+
+    results = pool.run(_manual_seed_cases, "same")
+    for via_api, via_stream in results:
+        np.testing.assert_array_equal(via_api, via_stream)
+        np.testing.assert_array_equal(via_api, results[0][0])
+    with pytest.raises(RankError) as info:
+        pool.run(_manual_seed_cases, "different", timeout=60)
+    msg = str(info.value)
+    assert "raised on ranks [0, 1, 2, 3]" in msg and msg.count("rank 3: 8") == 4

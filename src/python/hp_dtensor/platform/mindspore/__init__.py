@@ -36,6 +36,7 @@ from hp_dtensor.platform.mindspore.process_group import (
     is_initialized,
     serve_scheduler,
 )
+from hp_dtensor.platform.mindspore.rng import RNG
 
 NAME = "mindspore"
 
@@ -57,5 +58,5 @@ __all__ = [
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "track_module_forward", "destroy",
     "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
-    "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel",
+    "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel", "RNG",
 ]

@@ -55,3 +55,34 @@ def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Pl
         if isinstance(p, Shard):
             full = np.split(full, mesh.shape[k], axis=p.dim)[coord[k]]
     return np.ascontiguousarray(full)
+
+
+class _MindSporeRNG:
+    """MindSpore's ``RNGPrimitives`` (see ``hp_dtensor.rng_tracker``): the seed is the job-wide
+    stream's above, exchanged over mccl, so ``hp_dtensor.manual_seed(seed, mesh)`` seeds it and
+    checks that every rank passed the same seed."""
+
+    @staticmethod
+    def set_seed(seed: int) -> None:
+        manual_seed(seed)
+
+    @staticmethod
+    def gather_int(value: int, mesh: Any) -> list[int]:
+        from hp_dtensor.platform.mindspore import collectives as C
+
+        # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
+        rows = np.array([[value >> 32, value & 0xFFFFFFFF]], np.int64)
+        coord = mesh.get_coordinate()
+        for k in reversed(range(mesh.ndim)):
+            rows = C.gather_int_table(rows, mesh.get_group(k), mesh.shape[k], coord[k])
+        return [(int(hi) << 32) | int(lo) for hi, lo in rows]
+
+    @staticmethod
+    def broadcast_rng_state(mesh: Any) -> bool:
+        # The stream's seed is agreed at first use (rank 0 picks it); a rank's own generator
+        # state never enters a DTensor draw, so nothing on this rank changes.
+        _agreed_seed(mesh)
+        return False
+
+
+RNG = _MindSporeRNG()
