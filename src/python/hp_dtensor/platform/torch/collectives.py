@@ -2,7 +2,8 @@
 
 Every function records itself in ``CommDebugMode``.  ``avg`` is not a gloo reduce op, so it is a
 sum followed by a division.  ``max``/``min`` of floating-point values run on order-preserving
-integer keys of the same width (so no extra bytes move): gloo's float MAX/MIN drop NaN, the keys
+integer keys of the same width (no extra bytes move, except 16-bit floats, which gloo can only
+order through 32-bit keys): gloo's float MAX/MIN drop NaN, the keys
 put NaN above +inf (max) or below -inf (min), so a NaN on any rank gives NaN on every rank.
 """
 
@@ -18,8 +19,8 @@ from hp_dtensor.comm_debug import record
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-_KEY_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-_KEY_MASK = {8: 0x7FFFFFFFFFFFFFFF, 4: 0x7FFFFFFF, 2: 0x7FFF}
+_KEY_DTYPE = {8: torch.int64, 4: torch.int32}
+_KEY_MASK = {8: 0x7FFFFFFFFFFFFFFF, 4: 0x7FFFFFFF}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -27,7 +28,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _needs_keys(t: torch.Tensor, op: str) -> bool:
-    return op in ("max", "min") and t.is_floating_point() and t.element_size() in _KEY_DTYPE
+    return op in ("max", "min") and t.is_floating_point() and t.element_size() in (2, 4, 8)
 
 
 def _to_keys(t: torch.Tensor, op: str) -> torch.Tensor:
@@ -36,6 +37,8 @@ def _to_keys(t: torch.Tensor, op: str) -> torch.Tensor:
     Non-negative floats keep their bits; negative ones flip all but the sign bit, so the signed
     integer order is the float order.  NaN becomes the largest key (max) or the smallest (min):
     both decode to a NaN."""
+    if t.element_size() == 2:  # gloo has no int16 reductions: 16-bit floats go through float32 (exact)
+        t = t.float()
     t = t.contiguous()
     kdt = _KEY_DTYPE[t.element_size()]
     bits = t.view(kdt)
@@ -46,7 +49,8 @@ def _to_keys(t: torch.Tensor, op: str) -> torch.Tensor:
 
 def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     size = keys.element_size()
-    return torch.where(keys >= 0, keys, keys ^ _KEY_MASK[size]).view(dtype)
+    bits = torch.where(keys >= 0, keys, keys ^ _KEY_MASK[size])
+    return bits.view(torch.float32).to(dtype) if size == 4 and dtype != torch.float32 else bits.view(dtype)
 
 
 def all_reduce(t: torch.Tensor, op: str, group: Any, n: int) -> torch.Tensor:
