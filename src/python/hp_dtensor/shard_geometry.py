@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hp_dtensor.placement_types import Placement, Shard
+from hp_dtensor.placement_types import Placement, Replicate, Shard
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
@@ -160,3 +160,22 @@ def check_equal_shard_shapes(rows: Sequence[Sequence[int]], mesh: DeviceMesh) ->
         f"from_local(run_check=True): local shards differ across the mesh ({detail}); "
         f"pass shape= (and stride=) for uneven shards"
     )
+
+
+def even_placements(
+    global_shape: Sequence[int], mesh_shape: Sequence[int], placements: tuple[Placement, ...]
+) -> tuple[Placement, ...]:
+    """``placements`` with every ``Shard`` of an unevenly split tensor dim made ``Replicate``: the
+    nearest layout in which every rank holds the same shard shape (unchanged when already even).
+    Op rules that assume equal shards see their uneven inputs this way and the inputs are
+    redistributed to it first, which is correct whatever the rule."""
+    size = list(global_shape)
+    uneven: set[int] = set()
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard) and 0 <= p.dim < len(size):
+            if size[p.dim] % mesh_shape[mesh_dim]:
+                uneven.add(p.dim)
+            size[p.dim] //= mesh_shape[mesh_dim]
+    if not uneven:
+        return placements
+    return tuple(Replicate() if isinstance(p, Shard) and p.dim in uneven else p for p in placements)

@@ -7,6 +7,7 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -17,7 +18,7 @@ from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import global_shape
+from hp_dtensor.shard_geometry import even_placements, global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
 
 aten = torch.ops.aten
@@ -201,8 +202,11 @@ def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
 
 
 def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
+    # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
+    # nearest even layout (uneven Shards replicated) and redistributed to it before the op.
     infos = [
-        TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf for leaf in flat
+        TensorInfo(leaf._spec.shape, even_placements(leaf._spec.shape, mesh.shape, leaf._spec.placements))
+        if isinstance(leaf, DTensor) else leaf for leaf in flat
     ]
     args, kwargs = _unflatten(infos, treespec)
     call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
@@ -215,7 +219,14 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
                 stacklevel=3,
             )
         return _fallback_rule(call), True
-    return rule(call), False
+    decision = rule(call)
+    shown = [i.placements for i in infos if isinstance(i, TensorInfo)]
+    actual = [leaf._spec.placements for leaf in flat if isinstance(leaf, DTensor)]
+    if shown != actual:  # inputs the rule leaves alone still move to the even layout it saw
+        ins = tuple(s if d is None and s != a else d for d, s, a in zip(decision.inputs, shown, actual))
+        ins += decision.inputs[len(ins) :]
+        decision = dataclasses.replace(decision, inputs=ins)
+    return decision, False
 
 
 def _run(
