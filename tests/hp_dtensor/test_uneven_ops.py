@@ -14,7 +14,12 @@ from hp_dtensor.testing import RankPool, rank_pool_fixture
 
 pool4 = rank_pool_fixture(4, timeout=120)
 
-OPS = ("add_scalar", "mul", "sum_dim", "sum_all", "mean_dim", "amax_dim", "matmul", "linear", "softmax", "view")
+OPS = (
+    "add_scalar", "mul", "add_bias", "zeros_like_add", "inplace_add", "foreach_add", "sum_dim", "sum_all",
+    "mean_dim", "amax_dim", "matmul", "linear", "softmax", "view",
+)
+# pointwise ops keep the uneven shards and compute locally: no collective
+LOCAL = {"add_scalar", "mul", "add_bias", "zeros_like_add", "inplace_add", "foreach_add"}
 
 
 def _apply(name: str, x: Any, w: Any) -> Any:
@@ -24,6 +29,18 @@ def _apply(name: str, x: Any, w: Any) -> Any:
         return x + 0.5
     if name == "mul":
         return x * x
+    if name == "add_bias":
+        return x + w[:, 0]  # a replicated (cols,) bias broadcast over the rows
+    if name == "zeros_like_add":
+        return torch.zeros_like(x) + x
+    if name == "inplace_add":
+        y = x * 1.0
+        y.add_(x, alpha=0.5)
+        return y
+    if name == "foreach_add":
+        y = x * 1.0
+        torch._foreach_add_([y], [x])
+        return y
     if name == "sum_dim":
         return x.sum(1)
     if name == "sum_all":
@@ -44,7 +61,7 @@ def _apply(name: str, x: Any, w: Any) -> Any:
 def _uneven_ops(rank: int, world: int) -> list[tuple[str, Any, Any, bool, bool]]:
     import torch
 
-    from hp_dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    from hp_dtensor import CommDebugMode, Replicate, Shard, distribute_tensor, init_device_mesh
 
     out = []
     for mesh_shape, pl in (((4,), [Shard(0)]), ((4,), [Shard(1)]), ((2, 2), [Shard(0), Shard(0)]), ((2, 2), [Shard(1), Shard(0)])):
@@ -60,7 +77,10 @@ def _uneven_ops(rank: int, world: int) -> list[tuple[str, Any, Any, bool, bool]]
                 x = distribute_tensor(xg.clone(), mesh, pl).requires_grad_(True)
                 w = distribute_tensor(wg, mesh, [Replicate()] * len(mesh_shape))
                 try:
-                    y = _apply(name, x, w)
+                    with CommDebugMode() as comm:
+                        y = _apply(name, x, w)
+                    if name in LOCAL and comm.get_total_counts():
+                        raise AssertionError(f"pointwise op communicated: {comm.get_comm_counts()}")
                     full = y.full_tensor()
                     weight = torch.linspace(-1, 1, full.numel(), dtype=torch.float64).reshape(full.shape)
                     (full.sum() if full.ndim == 0 else (full * weight).sum()).backward()

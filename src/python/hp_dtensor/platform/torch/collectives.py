@@ -73,9 +73,10 @@ def all_gather(t: torch.Tensor, dim: int, group: Any, n: int) -> torch.Tensor:
     dist.all_gather_single(buf, t if t.ndim else t.reshape(1), group=group)
     if dim == 0 or t.ndim == 0:
         return buf
+    # contiguous: a reshape that happens to be a view would hand ops a strided local tensor
     return buf.view((n,) + tuple(t.shape)).movedim(0, dim).reshape(
         tuple(t.shape[:dim]) + (n * t.shape[dim],) + tuple(t.shape[dim + 1 :])
-    )
+    ).contiguous()
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int) -> torch.Tensor:
@@ -91,7 +92,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int) -> to
         out = _from_keys(out, t.dtype)
     elif op == "avg":
         out.div_(n)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int) -> torch.Tensor:
@@ -104,7 +105,7 @@ def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: 
     shape = list(recv.shape[1:])
     moved = recv.movedim(0, concat_dim)
     shape[concat_dim] *= n
-    return moved.reshape(shape)
+    return moved.reshape(shape).contiguous()
 
 
 def broadcast(t: torch.Tensor, src_global_rank: int, group: Any) -> torch.Tensor:
