@@ -200,10 +200,11 @@ def _uneven_like_torch(rank: int, world: int) -> list[Any]:
     out = []
     for shape_m in ((4,), (2, 2)):
         ours, theirs = init_device_mesh("cpu", shape_m), torch_mesh("cpu", shape_m)
-        for gshape, pl in (
+        cases: tuple[tuple[tuple[int, ...], list[Any]], ...] = (
             ((5, 3), [Shard(0)]), ((3, 7), [Shard(1)]), ((1,), [Shard(0)]),
             ((6, 2), [Shard(0), Shard(0)]), ((5, 3), [Shard(1), Shard(0)]), ((3,), [Replicate(), Shard(0)]),
-        ):
+        )
+        for gshape, pl in cases:
             if len(pl) != len(shape_m):
                 pl = pl[:1] if len(shape_m) == 1 else pl + [Replicate()]
             x = torch.arange(float(torch.Size(gshape).numel())).reshape(gshape)

@@ -86,7 +86,7 @@ def test_mixed_partials_are_refused_except_sum_with_avg() -> None:
     plan_redistribute((2, 2), (4,), (Partial("sum"), Partial("avg")), (R, R))
     # a plan between one-op states never passes through a mixed state
     plan = plan_redistribute((2, 2), (4,), (Partial("sum"), Partial("sum")), (Partial("max"), Partial("max")))
-    state = [Partial("sum"), Partial("sum")]
+    state: list[Placement] = [Partial("sum"), Partial("sum")]
     for step in plan.steps:
         state[step.mesh_dim] = step.dst
         assert len({p.reduce_op for p in state if isinstance(p, Partial)}) <= 1

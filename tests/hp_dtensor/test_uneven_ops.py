@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 
 pool4 = rank_pool_fixture(4, timeout=120)

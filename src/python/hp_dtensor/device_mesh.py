@@ -162,7 +162,7 @@ def _shape_and_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if not isinstance(mesh, (list, tuple)):
         raise ValueError(f"mesh must be a nested list of ranks, got {mesh!r}")
     shape: list[int] = []
-    level = mesh
+    level: Any = mesh
     while isinstance(level, (list, tuple)):
         shape.append(len(level))
         level = level[0] if level else None

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.placement_types import Partial, Placement, Replicate, normalize_placements
-from hp_dtensor.shard_geometry import check_shard_dims, global_shape, local_shape
+from hp_dtensor.shard_geometry import check_even_sharding, check_shard_dims, global_shape, local_shape
 
 
 class DTensorSpec:
@@ -49,17 +49,30 @@ class DTensorSpec:
 
 # The argument rules of the DTensor API, shared by every backend so that the same call fails the
 # same way on torch and MindSpore.
+def _check_layout(shape: Sequence[int], mesh: DeviceMesh, pl: tuple[Placement, ...], uneven: bool) -> None:
+    """Shard dims in range; and equal shards everywhere for a backend without uneven support."""
+    if uneven:
+        check_shard_dims(shape, pl)
+    else:
+        check_even_sharding(shape, mesh.shape, pl)
+
+
 def redistribute_target(
-    spec: DTensorSpec, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | Placement | None
+    spec: DTensorSpec,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | Placement | None,
+    *,
+    uneven: bool = False,
 ) -> tuple[Placement, ...]:
-    """The placements ``redistribute(device_mesh, placements)`` asks for, checked."""
+    """The placements ``redistribute(device_mesh, placements)`` asks for, checked (``uneven``: the
+    backend supports ``torch.chunk``-style uneven shards)."""
     mesh = device_mesh or spec.mesh
     if mesh != spec.mesh:
         raise ValueError(f"redistribute across meshes is not supported: tensor is on {spec.mesh}, target {mesh}")
     if placements is None:
         raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
     dst = normalize_placements(placements, mesh.ndim, len(spec.shape))
-    check_shard_dims(spec.shape, dst)
+    _check_layout(spec.shape, mesh, dst, uneven)
     return dst
 
 
@@ -78,6 +91,8 @@ def from_local_spec(
     mesh: DeviceMesh,
     placements: Sequence[Placement] | Placement | None,
     shape: Sequence[int] | None,
+    *,
+    uneven: bool = False,
 ) -> DTensorSpec:
     """The spec ``from_local`` gives a shard of shape ``local``: global shape inferred under even
     sharding (as torch does), or ``shape`` -- which may shard unevenly -- checked against this
@@ -91,7 +106,7 @@ def from_local_spec(
     gshape = tuple(int(s) for s in shape)
     if len(gshape) != len(lshape) or any(s < 0 for s in gshape):
         raise ValueError(f"shape={gshape} does not fit a local tensor of {len(lshape)} dims {lshape}")
-    check_shard_dims(gshape, pl)
+    _check_layout(gshape, mesh, pl, uneven)
     want = local_shape(gshape, mesh.shape, pl, mesh.get_coordinate())
     if want != lshape:
         raise ValueError(
@@ -102,13 +117,17 @@ def from_local_spec(
 
 
 def distribute_placements(
-    global_shape_: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement] | Placement | None
+    global_shape_: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement] | Placement | None,
+    *,
+    uneven: bool = False,
 ) -> tuple[Placement, ...]:
     """The placements ``distribute_tensor`` lays a tensor of ``global_shape_`` out with, checked."""
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, mesh.ndim, len(global_shape_))
-    check_shard_dims(global_shape_, pl)
+    _check_layout(global_shape_, mesh, pl, uneven)
     return pl
 
 

@@ -76,22 +76,20 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
     assert coord is not None, "this rank is not part of the mesh"
     state: list[Placement] = list(plan.src)
     gshape = plan.global_shape
+    # size_before(..., k, d): the size of tensor dim d that mesh dim k splits or gathers back at
+    # this rank (the planner never lets a later mesh dim shard d while mesh dim k moves it)
     for step in plan.steps:
         k = step.mesh_dim
         n = mesh.shape[k]
         idx = coord[k]
         kind = step.kind
 
-        def parent(d: int) -> int:
-            # the size mesh dim k splits: later mesh dims never shard d during this step
-            return size_before(gshape, mesh.shape, state, coord, k, d)
-
         if n == 1:
             pass  # a mesh dim of one rank: every step on it is the identity, nothing moves
         elif kind == "chunk":
             assert isinstance(step.dst, Shard)
             d = step.dst.dim
-            size = parent(d)
+            size = size_before(gshape, mesh.shape, state, coord, k, d)
             if size % n == 0:
                 local = prims.chunk(local, d, n, idx)
             else:
@@ -104,7 +102,7 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
         elif kind == "all_gather":
             assert isinstance(step.src, Shard)
             d = step.src.dim
-            size = parent(d)
+            size = size_before(gshape, mesh.shape, state, coord, k, d)
             full = chunk_size(size, n)
             shape = _shape(local)
             shape[d] = full
@@ -136,7 +134,7 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
         elif kind == "all_to_all":
             assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
             i, j = step.src.dim, step.dst.dim
-            size_i, size_j = parent(i), _shape(local)[j]
+            size_i, size_j = size_before(gshape, mesh.shape, state, coord, k, i), _shape(local)[j]
             full_i, full_j = chunk_size(size_i, n), chunk_size(size_j, n)
             length_j = chunk_size_and_offset(size_j, n, idx)[0]
             shape = _shape(local)

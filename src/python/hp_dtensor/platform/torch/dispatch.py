@@ -222,12 +222,13 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
         return _fallback_rule(call), True
     shown = [i.placements for i in infos if isinstance(i, TensorInfo)]
     actual = [leaf._spec.placements for leaf in flat if isinstance(leaf, DTensor)]
-    if shown != actual and getattr(rule, "uneven_pointwise", 0):
+    n_pointwise: int = getattr(rule, "uneven_pointwise", None) or 0  # set on pointwise rules
+    if shown != actual and n_pointwise:
         real = [TensorInfo(x._spec.shape, x._spec.placements) if isinstance(x, DTensor) else x for x in flat]
         r_args, r_kwargs = _unflatten(real, treespec)
         inplace = str(func).split(".")[1].endswith("_")
         kept = uneven_pointwise_rule(
-            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs)), n_outputs=rule.uneven_pointwise, inplace=inplace
+            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs)), n_outputs=n_pointwise, inplace=inplace
         )
         if kept is not None:
             return kept, False

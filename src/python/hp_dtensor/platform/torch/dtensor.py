@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor import from_local_check
+from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_spec import (
     DTensorSpec,
     check_partial_dtype,
@@ -100,7 +100,7 @@ class DTensor(torch.Tensor):
         """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
         if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
             device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
-        dst = redistribute_target(self._spec, device_mesh, placements)
+        dst = redistribute_target(self._spec, device_mesh, placements, uneven=True)
         check_partial_dtype(dst, str(self.dtype), _is_floating(self.dtype))
         if dst == self._spec.placements:
             return self
@@ -156,7 +156,7 @@ def _from_local_spec(
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
 ) -> DTensorSpec:
-    spec = from_local_spec(local.shape, mesh, placements, shape)
+    spec = from_local_spec(local.shape, mesh, placements, shape, uneven=True)
     check_partial_dtype(spec.placements, str(local.dtype), _is_floating(local.dtype))
     if stride is not None and tuple(int(s) for s in stride) != _contiguous_strides(spec.shape):
         raise ValueError(
@@ -220,7 +220,7 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     gshape = tuple(tensor.shape)
-    pl = distribute_placements(gshape, mesh, placements)
+    pl = distribute_placements(gshape, mesh, placements, uneven=True)
     check_partial_dtype(pl, str(tensor.dtype), _is_floating(tensor.dtype))
     check_src_data_rank(src_data_rank, mesh)
     requires_grad = tensor.requires_grad
