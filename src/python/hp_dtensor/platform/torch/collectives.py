@@ -56,7 +56,7 @@ def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def all_reduce(t: torch.Tensor, op: str, group: Any, n: int) -> torch.Tensor:
     keys = _needs_keys(t, op)
     out = _to_keys(t, op) if keys else t.contiguous().clone()
-    record("all_reduce", _nbytes(out))
+    record("all_reduce", _nbytes(out), n)
     dist.all_reduce(out, op=_OPS[op], group=group)
     if keys:
         return _from_keys(out, t.dtype)
@@ -69,7 +69,7 @@ def all_gather(t: torch.Tensor, dim: int, group: Any, n: int) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` in group order."""
     t = t.contiguous()
     buf = t.new_empty((n * t.shape[0],) + tuple(t.shape[1:])) if t.ndim else t.new_empty((n,))
-    record("all_gather", _nbytes(t) * n)
+    record("all_gather", _nbytes(t) * n, n)
     dist.all_gather_single(buf, t if t.ndim else t.reshape(1), group=group)
     if dim == 0 or t.ndim == 0:
         return buf
@@ -86,7 +86,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int) -> to
     if keys:
         moved = _to_keys(moved, op)
     out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
-    record("reduce_scatter", _nbytes(moved))
+    record("reduce_scatter", _nbytes(moved), n)
     dist.reduce_scatter_single(out, moved, op=_OPS[op], group=group)
     if keys:
         out = _from_keys(out, t.dtype)
@@ -100,7 +100,7 @@ def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: 
     what arrives along ``concat_dim``."""
     send = torch.stack(t.chunk(n, dim=split_dim), dim=0).contiguous()
     recv = torch.empty_like(send)
-    record("all_to_all", _nbytes(send))
+    record("all_to_all", _nbytes(send), n)
     dist.all_to_all_single(recv, send, group=group)
     shape = list(recv.shape[1:])
     moved = recv.movedim(0, concat_dim)
