@@ -176,7 +176,7 @@ def _torch_counter() -> Any:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             packet = getattr(func, "overloadpacket", None)
-            entry = None
+            entry: tuple[str, int, int | None] | None = None
             if packet is funcol.all_gather_into_tensor:
                 entry = ("all_gather", _nbytes(args[0]) * int(args[1]), int(args[1]))
             elif packet is funcol.all_reduce:
