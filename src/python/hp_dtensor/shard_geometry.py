@@ -65,7 +65,8 @@ def check_even_sharding(
             if global_shape[p.dim] % divisor[p.dim] != 0:
                 raise ValueError(
                     f"tensor dim {p.dim} of size {global_shape[p.dim]} cannot be evenly sharded over "
-                    f"mesh dim {mesh_dim} of size {mesh_shape[mesh_dim]} (total {divisor[p.dim]} shards)"
+                    f"mesh dim {mesh_dim} of size {mesh_shape[mesh_dim]} (total {divisor[p.dim]} shards); "
+                    f"this backend needs even shards: pad the dim or pick a mesh size that divides it"
                 )
 
 
