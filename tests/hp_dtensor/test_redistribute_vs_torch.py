@@ -311,7 +311,7 @@ def _diff_batch(rank: int, world: int, seeds: list[int]) -> dict[str, Any]:
     return stats
 
 
-def test_redistribute_matches_torch(pool4: RankPool) -> None:
+def test_redistribute_matches_torch(pool4: RankPool, capsys: Any) -> None:
     n = int(os.environ.get("HP_DIFF_CASES", "500"))
     seeds = list(range(n))
     total: dict[str, Any] = {}
@@ -340,21 +340,22 @@ def test_redistribute_matches_torch(pool4: RankPool) -> None:
     reasons: dict[str, int] = {}
     for r in total["refusals"]:
         reasons[r] = reasons.get(r, 0) + 1
-    print(
-        f"\nredistribute vs torch.distributed.tensor: {cases} cases x 4 ranks ({total['uneven'] // 4} with a "
-        f"dim the mesh does not divide), {len(total['mismatches'])} mismatching rank-cases; compared with torch "
-        f"(values, local shards, gradients, bytes): {len(by_seed)} cases; wire bytes on the busiest rank, summed "
-        f"over cases: ours {ours_wire:.0f} vs torch {torch_wire:.0f} ({len(more)} cases where ours is more); "
-        f"collective buffers summed over ranks: ours {total['ours_bytes']} vs torch {total['torch_bytes']}; "
-        f"{total['count_diff']} rank-cases with other collective counts; torch refused {total['torch_refused'] // 4} "
-        f"(reference only), we refused {total['ours_refused'] // 4}; NaN cases {total['nan_cases'] // 4} (torch "
-        f"dropped the NaN in {total['torch_nan_gap'] // 4}: compared with the float64 reference); local shards "
-        f"differing by the Partial(sum) convention only: {total['partial_convention']} rank-cases"
-    )
-    for r, c in sorted(reasons.items(), key=lambda x: -x[1]):
-        print(f"   torch refused ({c // 4}x): {r}")
-    for line in total["mismatches"][:20] + more[:20]:
-        print("  ", line)
+    with capsys.disabled():  # the size of the proof shows in every run, captured or not
+        print(
+            f"\nredistribute vs torch.distributed.tensor: {cases} cases x 4 ranks ({total['uneven'] // 4} with a "
+            f"dim the mesh does not divide), {len(total['mismatches'])} mismatching rank-cases; compared with torch "
+            f"(values, local shards, gradients, bytes): {len(by_seed)} cases; wire bytes on the busiest rank, summed "
+            f"over cases: ours {ours_wire:.0f} vs torch {torch_wire:.0f} ({len(more)} cases where ours is more); "
+            f"collective buffers summed over ranks: ours {total['ours_bytes']} vs torch {total['torch_bytes']}; "
+            f"{total['count_diff']} rank-cases with other collective counts; torch refused {total['torch_refused'] // 4} "
+            f"(reference only), we refused {total['ours_refused'] // 4}; NaN cases {total['nan_cases'] // 4} (torch "
+            f"dropped the NaN in {total['torch_nan_gap'] // 4}: compared with the float64 reference); local shards "
+            f"differing by the Partial(sum) convention only: {total['partial_convention']} rank-cases"
+        )
+        for r, c in sorted(reasons.items(), key=lambda x: -x[1]):
+            print(f"   torch refused ({c // 4}x): {r}")
+        for line in total["mismatches"][:20] + more[:20]:
+            print("  ", line)
     assert cases >= min(n, 500)
     assert not total["mismatches"]
     assert not more
