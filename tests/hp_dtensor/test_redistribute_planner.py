@@ -154,3 +154,23 @@ def test_pure_modules_import_without_a_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=None)
     assert "pure-ok" in out.stdout, out.stderr
+
+
+def test_plans_between_even_layouts_never_pass_an_uneven_state() -> None:
+    # so backends with even-only collectives (MindSpore) keep working, and no padding is paid
+    from hp_dtensor.shard_geometry import is_even
+
+    opts = [R, P, Shard(0), Shard(1)]
+    checked = 0
+    for mesh in ((2, 2), (2, 4)):
+        for shape in itertools.product((2, 4, 6, 12), (2, 3, 6)):
+            for src in itertools.product(opts, repeat=2):
+                for dst in itertools.product(opts, repeat=2):
+                    if not (is_even(shape, mesh, src) and is_even(shape, mesh, dst)):
+                        continue
+                    state = list(src)
+                    for step in plan_redistribute(mesh, shape, src, dst).steps:
+                        state[step.mesh_dim] = step.dst
+                        assert is_even(shape, mesh, state), (mesh, shape, src, dst)
+                    checked += 1
+    assert checked > 2000

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, check_partials
-from hp_dtensor.shard_geometry import check_shard_dims, chunk_size, max_local_shape
+from hp_dtensor.shard_geometry import check_shard_dims, chunk_size, is_even, max_local_shape
 
 _STEP_CHARGE = 1e-3  # tie-breaker, in elements
 
@@ -147,6 +147,9 @@ def plan_redistribute(
     if src == dst:
         return RedistributePlan((), 0.0, global_shape, src)
     ndim = len(global_shape)
+    # Between even layouts, stay even: the plans of backends without uneven support stay valid,
+    # and the padding an uneven detour costs rarely pays.
+    even_only = is_even(global_shape, mesh_shape, src) and is_even(global_shape, mesh_shape, dst)
     options = [_candidates(k, ndim, src[k], dst[k]) for k in range(len(mesh_shape))]
     counter = itertools.count()
     best: dict[tuple[Placement, ...], float] = {src: 0.0}
@@ -168,7 +171,7 @@ def plan_redistribute(
                 if kind is None or not _valid(state, k, cur, nxt):
                     continue
                 new_state = state[:k] + (nxt,) + state[k + 1 :]
-                if _mixed(new_state):
+                if _mixed(new_state) or (even_only and not is_even(global_shape, mesh_shape, new_state)):
                     continue
                 numel = padded_step_numel(local, kind, mesh_shape[k], cur, nxt)
                 new_cost = cost + _step_cost(kind, mesh_shape[k], numel) + _STEP_CHARGE
