@@ -27,15 +27,17 @@ def _module_stack() -> list[str]:
     return _state.module_stack  # type: ignore[no-any-return]
 
 
-def record(kind: str, nbytes: int) -> None:
-    """Called by the platform for every collective it runs (kind: all_reduce, all_gather, ...)."""
+def record(kind: str, nbytes: int, group_size: int | None = None) -> None:
+    """Called by the platform for every collective it runs (kind: all_reduce, all_gather, ...);
+    ``nbytes`` is the collective's buffer (the gathered output for all_gather, the input for the
+    others), ``group_size`` the number of ranks taking part, when known."""
     modes = _modes()
     if not modes:
         return
     stack = _module_stack()
     fqn = stack[-1] if stack else None
     for mode in modes:
-        mode._record(kind, nbytes, fqn)
+        mode._record(kind, nbytes, fqn, group_size)
 
 
 def push_module(fqn: str) -> None:
@@ -57,8 +59,10 @@ class CommDebugMode:
         self.comm_counts: Counter[str] = Counter()
         self.comm_bytes: Counter[str] = Counter()
         self.comm_module_counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.comm_log: list[tuple[str, int, int | None]] = []  # (kind, bytes, group size) in order
 
-    def _record(self, kind: str, nbytes: int, fqn: str | None) -> None:
+    def _record(self, kind: str, nbytes: int, fqn: str | None, group_size: int | None = None) -> None:
+        self.comm_log.append((kind, nbytes, group_size))
         self.comm_counts[kind] += 1
         self.comm_bytes[kind] += nbytes
         if fqn is not None:
@@ -80,6 +84,7 @@ class CommDebugMode:
         self.comm_counts.clear()
         self.comm_bytes.clear()
         self.comm_module_counts.clear()
+        self.comm_log.clear()
 
     def track_module(self, module: Any) -> None:
         """Attribute collectives issued while a submodule's forward runs to its FQN."""

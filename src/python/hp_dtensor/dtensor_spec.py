@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.placement_types import Placement, Replicate, normalize_placements
-from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
+from hp_dtensor.placement_types import Partial, Placement, Replicate, normalize_placements
+from hp_dtensor.shard_geometry import check_even_sharding, check_shard_dims, global_shape, local_shape
 
 
 class DTensorSpec:
@@ -42,22 +42,37 @@ class DTensorSpec:
         return f"DTensorSpec({self.mesh}, {self.placements}, {self.shape})"
 
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.shape, self.mesh.shape, self.placements)
+        """Shape of this rank's shard (uneven layouts give trailing ranks smaller shards)."""
+        coord = self.mesh.get_coordinate()
+        return local_shape(self.shape, self.mesh.shape, self.placements, coord)
 
 
 # The argument rules of the DTensor API, shared by every backend so that the same call fails the
 # same way on torch and MindSpore.
+def _check_layout(shape: Sequence[int], mesh: DeviceMesh, pl: tuple[Placement, ...], uneven: bool) -> None:
+    """Shard dims in range; and equal shards everywhere for a backend without uneven support."""
+    if uneven:
+        check_shard_dims(shape, pl)
+    else:
+        check_even_sharding(shape, mesh.shape, pl)
+
+
 def redistribute_target(
-    spec: DTensorSpec, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | Placement | None
+    spec: DTensorSpec,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | Placement | None,
+    *,
+    uneven: bool = False,
 ) -> tuple[Placement, ...]:
-    """The placements ``redistribute(device_mesh, placements)`` asks for, checked."""
+    """The placements ``redistribute(device_mesh, placements)`` asks for, checked (``uneven``: the
+    backend supports ``torch.chunk``-style uneven shards)."""
     mesh = device_mesh or spec.mesh
     if mesh != spec.mesh:
         raise ValueError(f"redistribute across meshes is not supported: tensor is on {spec.mesh}, target {mesh}")
     if placements is None:
         raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
     dst = normalize_placements(placements, mesh.ndim, len(spec.shape))
-    check_even_sharding(spec.shape, mesh.shape, dst)
+    _check_layout(spec.shape, mesh, dst, uneven)
     return dst
 
 
@@ -76,9 +91,12 @@ def from_local_spec(
     mesh: DeviceMesh,
     placements: Sequence[Placement] | Placement | None,
     shape: Sequence[int] | None,
+    *,
+    uneven: bool = False,
 ) -> DTensorSpec:
     """The spec ``from_local`` gives a shard of shape ``local``: global shape inferred under even
-    sharding, or ``shape`` checked against it."""
+    sharding (as torch does), or ``shape`` -- which may shard unevenly -- checked against this
+    rank's shard."""
     lshape = tuple(int(s) for s in local)
     if placements is None:
         placements = [Replicate()] * mesh.ndim
@@ -86,20 +104,52 @@ def from_local_spec(
     if shape is None:
         return DTensorSpec(mesh, pl, global_shape(lshape, mesh.shape, pl))
     gshape = tuple(int(s) for s in shape)
-    check_even_sharding(gshape, mesh.shape, pl)
-    if local_shape(gshape, mesh.shape, pl) != lshape:
+    if len(gshape) != len(lshape) or any(s < 0 for s in gshape):
+        raise ValueError(f"shape={gshape} does not fit a local tensor of {len(lshape)} dims {lshape}")
+    _check_layout(gshape, mesh, pl, uneven)
+    want = local_shape(gshape, mesh.shape, pl, mesh.get_coordinate())
+    if want != lshape:
         raise ValueError(
-            f"local shape {lshape} does not match global shape {gshape} with placements {pl} on mesh {mesh.shape}"
+            f"local shape {lshape} on rank {mesh.get_rank()} does not match global shape {gshape} with "
+            f"placements {pl} on mesh {mesh.shape}: this rank's shard should be {want}"
         )
     return DTensorSpec(mesh, pl, gshape)
 
 
 def distribute_placements(
-    global_shape_: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement] | Placement | None
+    global_shape_: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement] | Placement | None,
+    *,
+    uneven: bool = False,
 ) -> tuple[Placement, ...]:
     """The placements ``distribute_tensor`` lays a tensor of ``global_shape_`` out with, checked."""
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, mesh.ndim, len(global_shape_))
-    check_even_sharding(global_shape_, mesh.shape, pl)
+    _check_layout(global_shape_, mesh, pl, uneven)
     return pl
+
+
+def check_partial_dtype(placements: Sequence[Placement], dtype: str, is_floating: bool) -> None:
+    """``Partial("avg")`` divides by the mesh size: refuse it on integer and bool tensors, where
+    the division cannot be represented."""
+    if not is_floating and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements):
+        raise ValueError(
+            f"Partial('avg') needs a floating-point tensor, got dtype {dtype}: the average of integer "
+            f"partial values is not an integer; use Partial('sum') or convert the tensor to float first"
+        )
+
+
+def check_src_data_rank(src_data_rank: object, mesh: DeviceMesh) -> None:
+    """``src_data_rank`` is the group rank that holds the data on every mesh dim (or None)."""
+    if src_data_rank is None:
+        return
+    if not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool):
+        raise TypeError(f"src_data_rank must be an int or None, got {src_data_rank!r}")
+    if not 0 <= src_data_rank < min(mesh.shape):
+        raise ValueError(
+            f"src_data_rank={src_data_rank} is not a group rank on every dim of mesh shape {mesh.shape}: "
+            f"it names the source rank within each mesh dim, so it must be in [0, {min(mesh.shape)}); "
+            f"use 0 (the default) or None (every rank slices its own copy)"
+        )

@@ -64,6 +64,7 @@ class Decision:
     ``outputs``: placements per tensor output (flat order), ``None`` for a non-DTensor output.
     ``args``/``kwargs``: rewritten arguments for the local call, ``None`` to keep the originals.
     ``kernel``: name of a platform kernel to run instead of the op (e.g. masked embedding).
+    ``out_shape``: global shape of the tensor outputs, set by rules that keep uneven shards.
     """
 
     inputs: tuple[tuple[Placement, ...] | None, ...]
@@ -71,6 +72,8 @@ class Decision:
     args: tuple[Any, ...] | None = None
     kwargs: dict[str, Any] | None = None
     kernel: str | None = None
+    out_shape: tuple[int, ...] | None = None  # global shape of the tensor outputs when a local shape
+    # cannot tell it (uneven shards); None: inferred from the local output under even sharding
 
 
 Rule = Callable[[OpCall], Decision]

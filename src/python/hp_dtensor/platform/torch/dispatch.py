@@ -7,6 +7,7 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -18,8 +19,9 @@ from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import global_shape
+from hp_dtensor.shard_geometry import even_placements, global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
+from hp_dtensor.sharding.uneven import uneven_pointwise_rule
 
 aten = torch.ops.aten
 
@@ -204,8 +206,11 @@ def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
 
 
 def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
+    # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
+    # nearest even layout (uneven Shards replicated) and redistributed to it before the op.
     infos = [
-        TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf for leaf in flat
+        TensorInfo(leaf._spec.shape, even_placements(leaf._spec.shape, mesh.shape, leaf._spec.placements))
+        if isinstance(leaf, DTensor) else leaf for leaf in flat
     ]
     args, kwargs = _unflatten(infos, treespec)
     call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
@@ -218,7 +223,24 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
                 stacklevel=3,
             )
         return _fallback_rule(call), True
-    return rule(call), False
+    shown = [i.placements for i in infos if isinstance(i, TensorInfo)]
+    actual = [leaf._spec.placements for leaf in flat if isinstance(leaf, DTensor)]
+    n_pointwise: int = getattr(rule, "uneven_pointwise", None) or 0  # set on pointwise rules
+    if shown != actual and n_pointwise:
+        real = [TensorInfo(x._spec.shape, x._spec.placements) if isinstance(x, DTensor) else x for x in flat]
+        r_args, r_kwargs = _unflatten(real, treespec)
+        inplace = str(func).split(".")[1].endswith("_")
+        kept = uneven_pointwise_rule(
+            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs)), n_outputs=n_pointwise, inplace=inplace
+        )
+        if kept is not None:
+            return kept, False
+    decision = rule(call)
+    if shown != actual:  # inputs the rule leaves alone still move to the even layout it saw
+        ins = tuple(s if d is None and s != a else d for d, s, a in zip(decision.inputs, shown, actual))
+        ins += decision.inputs[len(ins) :]
+        decision = dataclasses.replace(decision, inputs=ins)
+    return decision, False
 
 
 def _run(
@@ -281,7 +303,7 @@ def _run(
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
     if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
         pl = decision.outputs[0]
-        return DTensor(out, DTensorSpec(mesh, pl, global_shape(out.shape, mesh.shape, pl)))
+        return DTensor(out, DTensorSpec(mesh, pl, decision.out_shape or global_shape(out.shape, mesh.shape, pl)))
     flat, spec = pytree.tree_flatten(out)
     res = []
     j = 0
@@ -293,7 +315,8 @@ def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
             if leaf_pl is None:
                 res.append(leaf)
                 continue
-            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, global_shape(leaf.shape, mesh.shape, leaf_pl))))
+            gs = decision.out_shape or global_shape(leaf.shape, mesh.shape, leaf_pl)
+            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, gs)))
         else:
             if leaf is None:
                 j += 1

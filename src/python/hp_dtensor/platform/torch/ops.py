@@ -72,6 +72,7 @@ def _pw(linearity: str | None, n_outputs: int = 1) -> Any:
         inplace = call.name.split(".")[1].endswith("_")
         return pointwise_rule(call, linearity=linearity, inplace=inplace, n_outputs=n_outputs)
 
+    rule.uneven_pointwise = n_outputs  # type: ignore[attr-defined]  # may keep uneven shards
     return rule
 
 
@@ -86,6 +87,9 @@ def _like_factory(call: OpCall) -> Decision:
     t: TensorInfo = call.args[0]
     out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
     return Decision((t.placements,), (out,))
+
+
+_like_factory.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
 
 
 @register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
@@ -252,6 +256,7 @@ def _foreach_rule(linearity: str | None) -> Any:
         inplace = call.name.split(".")[1].endswith("_")
         return pointwise_rule(call, linearity=linearity, inplace=inplace)
 
+    rule.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
     return rule
 
 
