@@ -73,12 +73,15 @@ class _SimpleSpec:
     unflatten without pytree's generic (and slower) machinery.  ``shape`` holds, per argument,
     None for a leaf or (type, length) for a list/tuple of leaves."""
 
-    __slots__ = ("arg_shape", "keys", "kw_shape")
+    __slots__ = ("arg_shape", "keys", "kw_shape", "key")
 
     def __init__(self, arg_shape: tuple[Any, ...], keys: tuple[str, ...], kw_shape: tuple[Any, ...]) -> None:
         self.arg_shape = arg_shape
         self.keys = keys
         self.kw_shape = kw_shape
+        # The structure goes into the decision cache key: sum(x, [0, 1]) and sum(x, 0, 1) flatten
+        # to the same leaves.
+        self.key = (arg_shape, keys, kw_shape)
 
     @staticmethod
     def _take(flat: list[Any], pos: int, shape: tuple[Any, ...]) -> tuple[list[Any], int]:
@@ -144,7 +147,9 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     flat, treespec = _flatten(args, kwargs)
     mesh = None
     has_plain = False
-    key_parts: list[Any] = [func]
+    # The key is structural (the argument tree) and type-exact (True, 1 and 1.0 are equal and hash
+    # alike in Python but ask for different things: keepdim=True is not dim=1).
+    key_parts: list[Any] = [func, treespec.key if type(treespec) is _SimpleSpec else treespec]
     for leaf in flat:
         if isinstance(leaf, DTensor):
             spec = leaf._spec
@@ -165,7 +170,8 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             else:
                 key_parts.append("scalar-tensor")
         else:
-            key_parts.append(leaf)
+            cls = leaf.__class__
+            key_parts.append(leaf if cls is int else (cls, leaf))
     assert mesh is not None
     if has_plain:
         flat = _as_dtensors(flat, mesh)
@@ -256,7 +262,7 @@ def _run(
         if decision.kwargs is not None:
             local_kwargs = map_leaves(fill, decision.kwargs)
     if decision.kernel is not None:
-        out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
+        out = KERNELS[decision.kernel](mesh, decision, func, *local_args, **local_kwargs)
     else:
         out = func(*local_args, **local_kwargs)
     if inplace:

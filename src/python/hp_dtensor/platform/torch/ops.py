@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hp_dtensor.placement_types import Partial, Replicate, Shard
+from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
 from hp_dtensor.shard_geometry import local_shape
 from hp_dtensor.sharding.attention import sdpa_rule
@@ -19,7 +20,7 @@ from hp_dtensor.sharding.loss import nll_loss_backward_rule, nll_loss_rule
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
-from hp_dtensor.sharding.pointwise import pointwise_rule
+from hp_dtensor.sharding.pointwise import SCALAR_ONCE, pointwise_rule
 from hp_dtensor.sharding.reductions import reduction_rule
 from hp_dtensor.sharding.views import (
     cat_rule,
@@ -36,15 +37,17 @@ from hp_dtensor.sharding.views import (
 aten = torch.ops.aten
 
 # ---------------------------------------------------------------- pointwise
-_ADD_LIKE = [aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.copy_.default]
+_ADD_LIKE = [
+    aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.copy_.default, aten.add.Scalar,
+    aten.add_.Scalar, aten.sub.Scalar, aten.sub_.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
+]
 _MUL_LIKE = [
     aten.mul.Tensor, aten.mul_.Tensor, aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar, aten.div_.Scalar,
     aten.neg.default, aten.neg_.default, aten.clone.default, aten.detach.default, aten.alias.default,
-    aten._to_copy.default, aten.zero_.default, aten.view_as_real.default, aten.view_as_complex.default,
+    aten.zero_.default, aten.view_as_real.default, aten.view_as_complex.default,
 ]
 _DIV_LIKE = [aten.div.Tensor, aten.div_.Tensor]
 _NONLINEAR = [
-    aten.add.Scalar, aten.add_.Scalar, aten.sub.Scalar, aten.sub_.Scalar, aten.rsub.Scalar, aten.rsub.Tensor,
     aten.exp.default, aten.exp_.default, aten.log.default, aten.sqrt.default, aten.sqrt_.default,
     aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar, aten.pow_.Scalar,
     aten.silu.default, aten.silu_.default, aten.silu_backward.default, aten.gelu.default,
@@ -71,9 +74,39 @@ _LIKE_FACTORIES = [
 def _pw(linearity: str | None, n_outputs: int = 1) -> Any:
     def rule(call: OpCall) -> Decision:
         inplace = call.name.split(".")[1].endswith("_")
-        return pointwise_rule(call, linearity=linearity, inplace=inplace, n_outputs=n_outputs)
+        return pointwise_rule(call, linearity=linearity, inplace=inplace, n_outputs=n_outputs, scalar_once=True)
 
     return rule
+
+
+def _scalar_once_kernel(pos: int) -> Any:
+    def run(mesh: Any, decision: Decision, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """An affine op (x + c) on a Partial("sum"): c is added on the first rank of the partial
+        mesh dims only; the others add zero (same dtype, so type promotion does not change)."""
+        out_pl = decision.outputs[0]
+        assert out_pl is not None
+        coord = mesh.get_coordinate()
+        if any(coord[k] != 0 for k, p in enumerate(out_pl) if isinstance(p, Partial) and p.reduce_op == "sum"):
+            args_l = list(args)
+            c = args_l[pos]
+            args_l[pos] = torch.zeros_like(c) if isinstance(c, torch.Tensor) else type(c)(0)
+            args = tuple(args_l)
+        return func(*args, **kwargs)
+
+    return run
+
+
+for _pos in (0, 1):
+    kernel(f"{SCALAR_ONCE}{_pos}")(_scalar_once_kernel(_pos))
+
+
+@register(aten._to_copy.default)
+def _to_copy(call: OpCall) -> Decision:
+    """A cast keeps a Partial only between floating (or complex) dtypes: truncating to an integer
+    or bool does not commute with the sum."""
+    dtype = call.kwargs.get("dtype")
+    exact = dtype is None or dtype.is_floating_point or dtype.is_complex
+    return pointwise_rule(call, linearity="mul" if exact else None)
 
 
 register(*_ADD_LIKE)(_pw("add"))
@@ -217,7 +250,7 @@ register(aten.embedding_dense_backward.default)(lambda c: embedding_backward_rul
 
 
 @kernel("masked_embedding")
-def _masked_embedding(mesh: Any, decision: Decision, weight: torch.Tensor, indices: torch.Tensor,
+def _masked_embedding(mesh: Any, decision: Decision, func: Any, weight: torch.Tensor, indices: torch.Tensor,
                       *rest: Any, **kw: Any) -> torch.Tensor:
     """Look up the ids in this rank's vocab rows; others give zero rows (output is Partial sum)."""
     wpl = decision.inputs[0]
@@ -243,10 +276,44 @@ register(aten.nll_loss2d_forward.default)(lambda c: nll_loss_rule(c, _nll_reduct
 
 
 # ---------------------------------------------------------------- misc
-@register(aten.is_same_size.default, aten.equal.default)
+@register(aten.is_same_size.default)
 def _compare(call: OpCall) -> Decision:
     infos = call.tensors()
     return Decision(tuple(infos[0].placements for _ in infos), ())
+
+
+# Ops whose result is a Python value give the global answer on every rank (an ``if`` on it must send
+# every rank down the same path): compare shards laid out alike, then agree with an all_reduce(min).
+@register(aten.equal.default, aten.allclose.default)
+def _global_compare(call: OpCall) -> Decision:
+    a, b = call.tensors()[:2]
+    rep = tuple(Replicate() for _ in a.placements)
+    if a.shape != b.shape:
+        if call.name.startswith("aten.equal"):
+            return Decision((None, None), (), kernel="constant_false")
+        return Decision((rep, rep), ())  # allclose broadcasts: compare whole tensors
+    pl = tuple(Replicate() if isinstance(p, Partial) else p for p in a.placements)
+    return Decision((pl, pl), (), kernel="all_ranks_agree")
+
+
+@kernel("all_ranks_agree")
+def _all_ranks_agree(mesh: Any, decision: Decision, func: Any, *args: Any, **kwargs: Any) -> bool:
+    flag = torch.tensor([1 if func(*args, **kwargs) else 0], dtype=torch.int32)
+    for k in range(mesh.ndim):
+        flag = C.all_reduce(flag, "min", mesh.get_group(k), mesh.shape[k])
+    return bool(flag.item())
+
+
+@kernel("constant_false")
+def _constant_false(mesh: Any, decision: Decision, func: Any, *args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+@register(aten._local_scalar_dense.default, aten.is_nonzero.default)
+def _python_value(call: OpCall) -> Decision:
+    """``item()``/``bool()``: the one element, reduced and replicated, read on every rank."""
+    t: TensorInfo = call.args[0]
+    return Decision((tuple(Replicate() for _ in t.placements),), ())
 
 
 def _foreach_rule(linearity: str | None) -> Any:
