@@ -159,7 +159,7 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
             key_parts.append(spec)
         elif isinstance(leaf, torch.Tensor):
-            if leaf.ndim != 0 and not _in_backward():
+            if leaf.ndim != 0 and not _in_backward() and not _is_one_hot_classes(func, args, leaf):
                 raise RuntimeError(
                     f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
                     f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
@@ -188,6 +188,18 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             _cache[key] = cached
     decision, is_fallback = cached
     return _run(func, flat, treespec, mesh, decision, is_fallback, args)
+
+
+def _is_one_hot_classes(func: Any, args: tuple[Any, ...], leaf: torch.Tensor) -> bool:
+    """``F.one_hot`` on a tensor subclass decomposes into ``x.unsqueeze(-1) == arange(classes)``
+    with a plain 1-D ``arange`` the same on every rank: that one comparison takes it as Replicate."""
+    return (
+        func is aten.eq.Tensor
+        and leaf.ndim == 1
+        and args[1] is leaf
+        and isinstance(args[0], DTensor)
+        and args[0]._spec.shape[-1:] == (1,)
+    )
 
 
 def _in_backward() -> bool:

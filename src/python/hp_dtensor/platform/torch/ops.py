@@ -13,15 +13,23 @@ import torch
 from hp_dtensor.placement_types import Partial, Replicate, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
-from hp_dtensor.shard_geometry import local_shape
+from hp_dtensor.shard_geometry import local_offset, local_shape
 from hp_dtensor.sharding.attention import sdpa_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule
-from hp_dtensor.sharding.loss import nll_loss_backward_rule, nll_loss_rule
+from hp_dtensor.sharding.indexing import (
+    along_dims_rule,
+    gather_rule,
+    index_select_rule,
+    scatter_rule,
+    slice_backward_rule,
+)
+from hp_dtensor.sharding.loss import mse_loss_backward_rule, mse_loss_rule, nll_loss_backward_rule, nll_loss_rule
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 from hp_dtensor.sharding.pointwise import SCALAR_ONCE, pointwise_rule
-from hp_dtensor.sharding.reductions import reduction_rule
+from hp_dtensor.sharding.reductions import gathered_reduction_rule, reduction_rule, vector_norm_rule
+from hp_dtensor.sharding.triangular import triangular_rule
 from hp_dtensor.sharding.views import (
     cat_rule,
     dim_preserving_rule,
@@ -64,6 +72,15 @@ _NONLINEAR = [
     aten.fill_.Scalar, aten.native_dropout_backward.default, aten.isnan.default, aten.isinf.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.square.default, aten.sqrt.default, aten.exp2.default,
     aten.elu.default, aten.leaky_relu.default, aten.hardtanh.default, aten.clamp_max.default,
+    aten.logical_or.default, aten.logical_or_.default, aten.logical_and_.default, aten.logical_xor.default,
+    aten.bitwise_not.default, aten.bitwise_xor.Tensor, aten.ge.Tensor, aten.le.Tensor, aten.floor.default,
+    aten.ceil.default, aten.round.default, aten.trunc.default, aten.remainder.Tensor, aten.remainder.Scalar,
+    aten.fmod.Tensor, aten.fmod.Scalar, aten.div.Tensor_mode, aten.floor_divide.default, aten.nan_to_num.default,
+    aten.clamp.Tensor, aten.masked_fill_.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.isfinite.default,
+    aten.log2.default, aten.log10.default, aten.atan.default, aten.tan.default, aten.sinh.default,
+    aten.cosh.default, aten.asin.default, aten.acos.default, aten.atan2.default, aten.hardsigmoid.default,
+    aten.mish.default, aten.logit.default, aten.xlogy.Tensor, aten.signbit.default, aten.frac.default,
+    aten.sgn.default, aten.abs_.default, aten.clamp_.default, aten.clamp_min_.default, aten.exp2_.default, aten.tanh_.default,
 ]
 _LIKE_FACTORIES = [
     aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default, aten.full_like.default,
@@ -226,9 +243,6 @@ register(aten.min.default)(lambda c: reduction_rule(c, "amin", None, False))
 register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
 register(aten.min.dim)(lambda c: reduction_rule(c, "min_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
 register(aten.argmax.default)(lambda c: reduction_rule(c, "argmax", _dims_arg(c, 1), _keepdim(c, 2)))
-register(aten.linalg_vector_norm.default)(
-    lambda c: reduction_rule(c, "norm", _dims_arg(c, 2), _keepdim(c, 3))
-)
 
 # ---------------------------------------------------------------- norms and softmax
 register(aten.native_layer_norm.default)(lambda c: layer_norm_rule(c, len(c.args[1])))
@@ -273,6 +287,120 @@ def _nll_reduction(call: OpCall, pos: int) -> int:
 register(aten.nll_loss_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
 register(aten.nll_loss_backward.default)(lambda c: nll_loss_backward_rule(c, _nll_reduction(c, 4)))
 register(aten.nll_loss2d_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
+
+
+# ---------------------------------------------------------------- along one dim, indexing
+def _int_arg(call: OpCall, pos: int, name: str, default: int) -> int:
+    v = call.args[pos] if len(call.args) > pos else call.kwargs.get(name, default)
+    return int(v)
+
+
+register(aten.cumsum.default, aten.logcumsumexp.default)(
+    lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", 0)], linear=c.name.startswith("aten.cumsum"))
+)
+register(aten.cumprod.default, aten.cummax.default, aten.cummin.default)(
+    lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", 0)], linear=False,
+                              n_outputs=1 if c.name.startswith("aten.cumprod") else 2)
+)
+register(aten.flip.default)(lambda c: along_dims_rule(c, list(c.args[1]), linear=True))
+register(aten.roll.default)(
+    lambda c: along_dims_rule(c, list(c.args[2]) if len(c.args) > 2 and len(c.args[2]) else
+                              list(range(c.args[0].ndim)), linear=True)
+)
+register(aten.sort.default)(lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", -1)], linear=False, n_outputs=2))
+register(aten.sort.stable)(lambda c: along_dims_rule(c, [_int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+register(aten.topk.default)(lambda c: along_dims_rule(c, [_int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+register(aten.slice_backward.default)(slice_backward_rule)
+register(aten.index_select.default)(index_select_rule)
+register(aten.gather.default)(gather_rule)
+register(aten.scatter_add.default, aten.scatter_add_.default)(
+    lambda c: scatter_rule(c, accumulate=True, src_is_tensor=True, index_1d=False)
+)
+register(aten.index_add.default, aten.index_add_.default)(
+    lambda c: scatter_rule(c, accumulate=True, src_is_tensor=True, index_1d=True)
+)
+register(aten.scatter.src, aten.scatter_.src)(
+    lambda c: scatter_rule(c, accumulate=False, src_is_tensor=True, index_1d=False)
+)
+register(aten.scatter.value, aten.scatter_.value)(
+    lambda c: scatter_rule(c, accumulate=False, src_is_tensor=False, index_1d=False)
+)
+register(aten.tril.default, aten.triu.default)(triangular_rule)
+
+
+@kernel("triangular")
+def _triangular(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, diagonal: int,
+                gshape: tuple[int, ...]) -> torch.Tensor:
+    """Mask this rank's block with the diagonal moved by the block's offset in the matrix."""
+    pl = decision.inputs[0]
+    assert pl is not None
+    off = local_offset(gshape, mesh.shape, pl, mesh.get_coordinate())
+    return func(x, diagonal + off[-2] - off[-1]) if len(gshape) >= 2 else func(x, diagonal)
+
+
+# ---------------------------------------------------------------- var, norms, mse
+def _var_dims(call: OpCall) -> list[int] | None:
+    return _dims_arg(call, 1)
+
+
+def _var_keepdim(call: OpCall) -> bool:
+    return bool(call.kwargs.get("keepdim", False))
+
+
+register(aten.var.correction, aten.std.correction)(
+    lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c))
+)
+register(aten.var_mean.correction, aten.std_mean.correction)(
+    lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c), 2)
+)
+
+
+def _norm_ord(call: OpCall) -> float:
+    return float(call.args[1]) if len(call.args) > 1 else float(call.kwargs.get("ord", 2))
+
+
+@kernel("vector_norm")
+def _vector_norm(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, ord: Any = 2, dim: Any = None,
+                 keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
+    """Sum |x|^ord over this rank's part, all_reduce the sums over the mesh dims that shard a
+    reduced dim, take the root: the global norm on every rank from one small all_reduce."""
+    pl = decision.inputs[0]
+    assert pl is not None
+    p = float(ord)
+    red = set(range(x.ndim)) if dim is None or (not isinstance(dim, int) and len(dim) == 0) else (
+        {dim % x.ndim} if isinstance(dim, int) else {d % x.ndim for d in dim}
+    )
+    if p == 0:
+        s = (x != 0).sum(dim=tuple(sorted(red)), keepdim=keepdim).to(dtype or x.dtype)
+    else:
+        s = func(x, ord, dim, keepdim, dtype=dtype).pow(p)
+    for k, q in enumerate(pl):
+        if isinstance(q, Shard) and q.dim in red:
+            s = C.all_reduce(s, "sum", mesh.get_group(k), mesh.shape[k])
+    return s if p == 0 else s.pow(1.0 / p)
+
+
+register(aten.linalg_vector_norm.default)(
+    lambda c: vector_norm_rule(c, _norm_ord(c), _dims_arg(c, 2), _keepdim(c, 3))
+)
+
+
+@kernel("mse_loss")
+def _mse_loss(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, y: torch.Tensor, reduction: int,
+              numel: int) -> torch.Tensor:
+    out = func(x, y, 2)  # this rank's sum; the output is Partial("sum") over sharded mesh dims
+    return out / numel if reduction == 1 else out
+
+
+@kernel("mse_loss_backward")
+def _mse_loss_backward(mesh: Any, decision: Decision, func: Any, g: torch.Tensor, x: torch.Tensor,
+                       y: torch.Tensor, reduction: int, numel: int) -> torch.Tensor:
+    out = func(g, x, y, 2)
+    return out / numel if reduction == 1 else out
+
+
+register(aten.mse_loss.default)(lambda c: mse_loss_rule(c, _int_arg(c, 2, "reduction", 1)))
+register(aten.mse_loss_backward.default)(lambda c: mse_loss_backward_rule(c, _int_arg(c, 3, "reduction", 1)))
 
 
 # ---------------------------------------------------------------- misc
