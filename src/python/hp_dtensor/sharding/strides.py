@@ -23,10 +23,26 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+_cache: dict[tuple[object, ...], tuple[int, ...]] = {}
+
+
 def global_strides(
+    local_stride: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Placement, ...]
+) -> tuple[int, ...]:
+    """Strides of the global tensor whose shard on every rank has strides ``local_stride``
+    (cached: every op output asks)."""
+    key = (local_stride, mesh_shape, placements)
+    out = _cache.get(key)
+    if out is None:
+        if len(_cache) > 4096:
+            _cache.clear()
+        out = _cache[key] = _scale(local_stride, mesh_shape, placements)
+    return out
+
+
+def _scale(
     local_stride: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement]
 ) -> tuple[int, ...]:
-    """Strides of the global tensor whose shard on every rank has strides ``local_stride``."""
     stride = list(local_stride)
     for k, p in enumerate(placements):
         if isinstance(p, Shard):

@@ -250,7 +250,10 @@ def _run(
             target = decision.inputs[i]
             local = leaf._local_tensor
             if target is not None and target != spec.placements:
-                local = redistribute_local(local, mesh, spec.shape, spec.placements, target)
+                # A redistributed shard is fresh data laid out however the collective left it (an
+                # all_gather on a later dim gives a strided view), while composite ops chose views
+                # and kernels from the wrapper's strides: hand the local op a contiguous tensor.
+                local = redistribute_local(local, mesh, spec.shape, spec.placements, target).contiguous()
                 if i == 0 and inplace:
                     self_redistributed = True
             locals_.append(local)

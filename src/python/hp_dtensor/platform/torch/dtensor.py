@@ -45,9 +45,7 @@ class DTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             spec.shape,
-            strides=_contiguous_strides(spec.shape)
-            if local_tensor.is_contiguous()
-            else global_strides(local_tensor.stride(), spec.mesh.shape, spec.placements),
+            strides=global_strides(local_tensor.stride(), spec.mesh.shape, spec.placements),
             dtype=local_tensor.dtype,
             device=local_tensor.device,
             layout=local_tensor.layout,

@@ -61,8 +61,7 @@ _NONLINEAR = [
     aten.silu.default, aten.silu_.default, aten.silu_backward.default, aten.gelu.default,
     aten.gelu_backward.default, aten.sigmoid.default, aten.sigmoid_.default, aten.sigmoid_backward.default,
     aten.tanh.default, aten.tanh_backward.default, aten.relu.default, aten.relu_.default,
-    aten.threshold_backward.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-    aten.masked_fill_.Scalar, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
+    aten.threshold_backward.default, aten.where.self, aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
     aten.lt.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar, aten.logical_not.default,
     aten.logical_and.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default,
     aten.maximum.default, aten.minimum.default, aten.lerp.Scalar, aten.lerp_.Scalar, aten.lerp_.Tensor,
@@ -76,7 +75,7 @@ _NONLINEAR = [
     aten.bitwise_not.default, aten.bitwise_xor.Tensor, aten.ge.Tensor, aten.le.Tensor, aten.floor.default,
     aten.ceil.default, aten.round.default, aten.trunc.default, aten.remainder.Tensor, aten.remainder.Scalar,
     aten.fmod.Tensor, aten.fmod.Scalar, aten.div.Tensor_mode, aten.floor_divide.default, aten.nan_to_num.default,
-    aten.clamp.Tensor, aten.masked_fill_.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.isfinite.default,
+    aten.clamp.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf, aten.isfinite.default,
     aten.log2.default, aten.log10.default, aten.atan.default, aten.tan.default, aten.sinh.default,
     aten.cosh.default, aten.asin.default, aten.acos.default, aten.atan2.default, aten.hardsigmoid.default,
     aten.mish.default, aten.logit.default, aten.xlogy.Tensor, aten.signbit.default, aten.frac.default,
@@ -113,8 +112,23 @@ def _scalar_once_kernel(pos: int) -> Any:
     return run
 
 
-for _pos in (0, 1):
+for _pos in (0, 1, 2):
     kernel(f"{SCALAR_ONCE}{_pos}")(_scalar_once_kernel(_pos))
+
+
+@register(aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Tensor)
+def _masked_fill(call: OpCall) -> Decision:
+    """Filling with a constant is linear in a Partial input when the constant goes to one rank
+    only (zeros elsewhere; the ``scalar_once_2`` kernel); vector_norm's backward fills a
+    Partial(sum) in place this way."""
+    inplace = call.name.split(".")[1].endswith("_")
+    if isinstance(call.args[2], TensorInfo):  # a DTensor value: not linear in the filled input
+        return pointwise_rule(call, inplace=inplace)
+    dec = pointwise_rule(call, linearity="mul", inplace=inplace)
+    out = dec.outputs[0] or ()
+    if any(isinstance(p, Partial) and p.reduce_op == "sum" for p in out):
+        return Decision(dec.inputs, dec.outputs, kernel=f"{SCALAR_ONCE}2")
+    return dec
 
 
 @register(aten._to_copy.default)
@@ -169,11 +183,55 @@ register(aten.mv.default)(lambda c: einsum_rule(c, "mk,k->m"))
 register(aten.dot.default)(lambda c: einsum_rule(c, "k,k->"))
 
 # ---------------------------------------------------------------- views
-register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(lambda c: view_rule(c))
+def _local_view(call: OpCall) -> Decision:
+    dec = view_rule(call)
+    return Decision(dec.inputs, dec.outputs, args=dec.args, kernel="view")
+
+
+@kernel("view")
+def _view(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, size: Any) -> torch.Tensor:
+    """The local view, or a copy when the shard's layout cannot take it (a shard of one row is
+    contiguous whatever its strides say globally, and a gathered input is laid out anew)."""
+    try:
+        return func(x, size)
+    except RuntimeError:
+        return aten._unsafe_view(x.contiguous(), size)
+
+
+register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(_local_view)
 register(aten.t.default, aten.transpose.int)(transpose_rule)
 register(aten.permute.default)(lambda c: permute_rule(c, c.args[1]))
 register(aten.unsqueeze.default)(unsqueeze_rule)
-register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)(squeeze_rule)
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(call: OpCall) -> Decision:
+    """Squeeze exactly the dims of global size 1: a shard may have size 1 where the tensor does not."""
+    dec = squeeze_rule(call)
+    t: TensorInfo = call.args[0]
+    if len(call.args) > 1:
+        d = call.args[1]
+        asked = [d] if isinstance(d, int) else list(d)
+        dims = [x % max(t.ndim, 1) for x in asked if t.ndim and t.shape[x % t.ndim] == 1]
+    else:
+        dims = [i for i, s in enumerate(t.shape) if s == 1]
+    return Decision(dec.inputs, dec.outputs, args=(t, dims), kernel="squeeze_dims")
+
+
+@kernel("squeeze_dims")
+def _squeeze_dims(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    return aten.squeeze.dims(x, dims) if dims else aten.alias(x)
+
+
+@register(aten.select_backward.default)
+def _select_backward(call: OpCall) -> Decision:
+    """``select_backward(grad, input_sizes, dim, index)``: zeros with ``grad`` written at the index;
+    the grad's shards move past the restored dim, the local call gets local sizes."""
+    g: TensorInfo = call.args[0]
+    sizes = list(call.args[1])
+    d = call.args[2] % len(sizes)
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in g.placements)
+    args = list(call.args)
+    args[1] = list(local_shape(tuple(sizes), call.mesh_shape, out))
+    return Decision((g.placements,), (out,), args=tuple(args))
 register(aten.expand.default)(expand_rule)
 register(aten.select.int)(select_rule)
 register(aten.cat.default)(cat_rule)
@@ -350,6 +408,7 @@ def _var_keepdim(call: OpCall) -> bool:
 register(aten.var.correction, aten.std.correction)(
     lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c))
 )
+register(aten.logsumexp.default)(lambda c: gathered_reduction_rule(c, _dims_arg(c, 1), _keepdim(c, 2)))
 register(aten.var_mean.correction, aten.std_mean.correction)(
     lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c), 2)
 )
