@@ -114,7 +114,7 @@ def _errors(rank: int, world: int) -> list[str]:
     sub = _mesh((2, 2), ("a", "b"))["b"]
     msgs = []
     for fn in (
-        lambda: distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]),
+        lambda: distribute_tensor(torch.zeros(6, 4), mesh, [Shard(2)]),
         lambda: distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0), Replicate()]),
         lambda: distribute_tensor(torch.zeros(8, 4), mesh, [Replicate()]).redistribute(sub, [Replicate()]),
         lambda: distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]) + torch.zeros(8, 4),
@@ -256,12 +256,12 @@ def test_from_local_to_local_full_tensor_are_differentiable(pool4: RankPool) -> 
 
 def test_from_local_run_check_rejects_unequal_shards(pool4: RankPool) -> None:
     for msg in pool4.run(_from_local_run_check_uneven):
-        assert "local shards differ" in msg and "rank 1: (3, 4)" in msg
+        assert "local shape differs across the mesh" in msg and "rank 1: (3, 4)" in msg and "shape=" in msg
 
 
 def test_errors_name_the_problem(pool4: RankPool) -> None:
-    uneven, wrong_len, other_mesh, mixed = pool4.run(_errors)[0]
-    assert "tensor dim 0 of size 6" in uneven and "mesh dim 0 of size 4" in uneven
+    bad_dim, wrong_len, other_mesh, mixed = pool4.run(_errors)[0]
+    assert "Shard(2) is out of range for a tensor with 2 dims" in bad_dim
     assert "2 placements" in wrong_len and "1-D mesh" in wrong_len
     assert other_mesh.startswith("ValueError") and "across meshes" in other_mesh
     assert mixed.startswith("RuntimeError") and "mix of torch.Tensor" in mixed

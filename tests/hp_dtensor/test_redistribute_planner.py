@@ -58,9 +58,38 @@ def test_nested_shards_gather_inner_mesh_dim_first() -> None:
     assert [s.mesh_dim for s in steps] == [1, 0]
 
 
-def test_uneven_target_raises_naming_dim_size_and_mesh() -> None:
-    with pytest.raises(ValueError, match=r"tensor dim 0 of size 6 .* mesh dim 0 of size 4"):
-        plan_redistribute((4,), (6, 4), (R,), (Shard(0),))
+def test_uneven_target_is_planned_with_padded_cost() -> None:
+    # 6 rows over 4 ranks: chunks 2,2,2,0; gathering moves 3 padded pieces of 2x4 per rank
+    assert kinds((4,), (6, 4), (R,), (Shard(0),)) == ["chunk"]
+    plan = plan_redistribute((4,), (6, 4), (Shard(0),), (R,))
+    assert [s.kind for s in plan.steps] == ["all_gather"] and plan.cost == pytest.approx(3 * 8)
+    # 5 rows reduce-scattered over 4: the input is padded to 8 rows, 3/4 of it moves
+    plan = plan_redistribute((4,), (5, 1), (P,), (Shard(0),))
+    assert [s.kind for s in plan.steps] == ["reduce_scatter"] and plan.cost == pytest.approx(0.75 * 8)
+    # with an even dim to scatter on, reduce-scattering there and moving the small shard is cheaper
+    plan = plan_redistribute((4,), (5, 4), (P,), (Shard(0),))
+    assert [s.kind for s in plan.steps] == ["reduce_scatter", "all_to_all"] and plan.cost < 0.75 * 32
+
+
+def test_intermediate_states_may_be_uneven_on_2x2() -> None:
+    # (6,) on [S0, S0] splits 6 -> 3 -> 2/1: uneven inside, even overall; used to raise
+    plan = plan_redistribute((2, 2), (6,), (R, R), (Shard(0), Shard(0)))
+    assert [s.kind for s in plan.steps] == ["chunk", "chunk"]
+    plan_redistribute((2, 2), (6, 2), (Shard(0), Shard(0)), (Shard(1), Shard(0)))
+
+
+def test_mixed_partials_are_refused_except_sum_with_avg() -> None:
+    with pytest.raises(ValueError, match=r"mix Partial reduce ops \['max', 'sum'\]"):
+        plan_redistribute((2, 2), (4,), (Partial("sum"), Partial("max")), (R, R))
+    with pytest.raises(ValueError, match="mix Partial"):
+        plan_redistribute((2, 2), (4,), (R, R), (Partial("min"), Partial("avg")))
+    plan_redistribute((2, 2), (4,), (Partial("sum"), Partial("avg")), (R, R))
+    # a plan between one-op states never passes through a mixed state
+    plan = plan_redistribute((2, 2), (4,), (Partial("sum"), Partial("sum")), (Partial("max"), Partial("max")))
+    state = [Partial("sum"), Partial("sum")]
+    for step in plan.steps:
+        state[step.mesh_dim] = step.dst
+        assert len({p.reduce_op for p in state if isinstance(p, Partial)}) <= 1
 
 
 def test_plans_are_cached() -> None:

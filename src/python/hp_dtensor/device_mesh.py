@@ -8,6 +8,7 @@ mesh current for code that takes ``device_mesh=None``.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -36,6 +37,13 @@ class DeviceMesh:
         if _layout is None:
             shape, ranks = _shape_and_ranks(mesh)
             _layout = MeshLayout(shape, ranks, tuple(mesh_dim_names) if mesh_dim_names else None)
+            world = plat.get_world_size() if plat.is_initialized() else None
+            outside = [r for r in ranks if r < 0 or (world is not None and r >= world)]
+            if outside:
+                raise ValueError(
+                    f"mesh ranks {outside} are not ranks of the world (size {world}); "
+                    f"a mesh may only hold ranks 0..{(world or 1) - 1}"
+                )
         self._layout = _layout
         self._rank = plat.get_rank()
         self._coord = _layout.coordinate_of(self._rank)
@@ -99,6 +107,8 @@ class DeviceMesh:
         if self.mesh_dim_names is None:
             raise KeyError("this mesh has no mesh_dim_names; create it with mesh_dim_names=(...) to slice it")
         dims = [self._layout.dim_index(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"mesh[{', '.join(map(repr, names))}] names a mesh dim twice; name each dim once")
         if dims == list(range(self.ndim)):
             return self
         sub = self._layout.submesh(dims, self._rank)
@@ -146,9 +156,11 @@ def get_current_mesh() -> DeviceMesh | None:
 
 
 def _shape_and_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Accept a nested list / array-like of ranks."""
+    """Accept a nested list / array-like of ranks; ragged nesting raises ``ValueError``."""
     if hasattr(mesh, "tolist"):
         mesh = mesh.tolist()
+    if not isinstance(mesh, (list, tuple)):
+        raise ValueError(f"mesh must be a nested list of ranks, got {mesh!r}")
     shape: list[int] = []
     level = mesh
     while isinstance(level, (list, tuple)):
@@ -156,14 +168,26 @@ def _shape_and_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         level = level[0] if level else None
     flat: list[int] = []
 
-    def walk(x: Any) -> None:
+    def walk(x: Any, depth: int) -> None:
         if isinstance(x, (list, tuple)):
+            if depth >= len(shape) or len(x) != shape[depth]:
+                raise ValueError(
+                    f"mesh {mesh!r} is ragged: every row at depth {depth} must have {shape[min(depth, len(shape) - 1)]} "
+                    f"entries, found one with {len(x)}"
+                )
             for y in x:
-                walk(y)
+                walk(y, depth + 1)
         else:
-            flat.append(int(x))
+            if depth != len(shape):
+                raise ValueError(f"mesh {mesh!r} is ragged: rank {x!r} sits at depth {depth}, expected {len(shape)}")
+            try:
+                if isinstance(x, bool):
+                    raise TypeError
+                flat.append(operator.index(x))
+            except TypeError:
+                raise ValueError(f"mesh entries must be int ranks, got {x!r}") from None
 
-    walk(mesh)
+    walk(mesh, 0)
     return tuple(shape), tuple(flat)
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.placement_types import Placement, Replicate, normalize_placements
-from hp_dtensor.shard_geometry import check_even_sharding, global_shape, local_shape
+from hp_dtensor.placement_types import Partial, Placement, Replicate, normalize_placements
+from hp_dtensor.shard_geometry import check_shard_dims, global_shape, local_shape
 
 
 class DTensorSpec:
@@ -42,7 +42,9 @@ class DTensorSpec:
         return f"DTensorSpec({self.mesh}, {self.placements}, {self.shape})"
 
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.shape, self.mesh.shape, self.placements)
+        """Shape of this rank's shard (uneven layouts give trailing ranks smaller shards)."""
+        coord = self.mesh.get_coordinate()
+        return local_shape(self.shape, self.mesh.shape, self.placements, coord)
 
 
 # The argument rules of the DTensor API, shared by every backend so that the same call fails the
@@ -57,7 +59,7 @@ def redistribute_target(
     if placements is None:
         raise ValueError("redistribute needs placements, e.g. placements=[Replicate()]")
     dst = normalize_placements(placements, mesh.ndim, len(spec.shape))
-    check_even_sharding(spec.shape, mesh.shape, dst)
+    check_shard_dims(spec.shape, dst)
     return dst
 
 
@@ -78,7 +80,8 @@ def from_local_spec(
     shape: Sequence[int] | None,
 ) -> DTensorSpec:
     """The spec ``from_local`` gives a shard of shape ``local``: global shape inferred under even
-    sharding, or ``shape`` checked against it."""
+    sharding (as torch does), or ``shape`` -- which may shard unevenly -- checked against this
+    rank's shard."""
     lshape = tuple(int(s) for s in local)
     if placements is None:
         placements = [Replicate()] * mesh.ndim
@@ -86,10 +89,14 @@ def from_local_spec(
     if shape is None:
         return DTensorSpec(mesh, pl, global_shape(lshape, mesh.shape, pl))
     gshape = tuple(int(s) for s in shape)
-    check_even_sharding(gshape, mesh.shape, pl)
-    if local_shape(gshape, mesh.shape, pl) != lshape:
+    if len(gshape) != len(lshape) or any(s < 0 for s in gshape):
+        raise ValueError(f"shape={gshape} does not fit a local tensor of {len(lshape)} dims {lshape}")
+    check_shard_dims(gshape, pl)
+    want = local_shape(gshape, mesh.shape, pl, mesh.get_coordinate())
+    if want != lshape:
         raise ValueError(
-            f"local shape {lshape} does not match global shape {gshape} with placements {pl} on mesh {mesh.shape}"
+            f"local shape {lshape} on rank {mesh.get_rank()} does not match global shape {gshape} with "
+            f"placements {pl} on mesh {mesh.shape}: this rank's shard should be {want}"
         )
     return DTensorSpec(mesh, pl, gshape)
 
@@ -101,5 +108,29 @@ def distribute_placements(
     if placements is None:
         placements = [Replicate()] * mesh.ndim
     pl = normalize_placements(placements, mesh.ndim, len(global_shape_))
-    check_even_sharding(global_shape_, mesh.shape, pl)
+    check_shard_dims(global_shape_, pl)
     return pl
+
+
+def check_partial_dtype(placements: Sequence[Placement], dtype: str, is_floating: bool) -> None:
+    """``Partial("avg")`` divides by the mesh size: refuse it on integer and bool tensors, where
+    the division cannot be represented."""
+    if not is_floating and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements):
+        raise ValueError(
+            f"Partial('avg') needs a floating-point tensor, got dtype {dtype}: the average of integer "
+            f"partial values is not an integer; use Partial('sum') or convert the tensor to float first"
+        )
+
+
+def check_src_data_rank(src_data_rank: object, mesh: DeviceMesh) -> None:
+    """``src_data_rank`` is the group rank that holds the data on every mesh dim (or None)."""
+    if src_data_rank is None:
+        return
+    if not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool):
+        raise TypeError(f"src_data_rank must be an int or None, got {src_data_rank!r}")
+    if not 0 <= src_data_rank < min(mesh.shape):
+        raise ValueError(
+            f"src_data_rank={src_data_rank} is not a group rank on every dim of mesh shape {mesh.shape}: "
+            f"it names the source rank within each mesh dim, so it must be in [0, {min(mesh.shape)}); "
+            f"use 0 (the default) or None (every rank slices its own copy)"
+        )

@@ -1,6 +1,6 @@
 """Placements: how one mesh dimension lays a tensor out.
 
-``Shard(d)`` splits tensor dim ``d`` evenly over the mesh dim, ``Replicate()`` keeps a full
+``Shard(d)`` splits tensor dim ``d`` over the mesh dim (``torch.chunk``-style when uneven), ``Replicate()`` keeps a full
 copy on every rank, ``Partial(op)`` holds per-rank values whose reduction by ``op`` is the
 tensor.  Placements are immutable values: equal by value, hashable, usable as dict keys.
 This module is pure: it imports no framework.
@@ -32,7 +32,9 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class Shard(Placement):
-    """Split tensor dim ``dim`` into equal contiguous chunks, chunk ``i`` on mesh coordinate ``i``.
+    """Split tensor dim ``dim`` into contiguous chunks, chunk ``i`` on mesh coordinate ``i``: like
+    ``torch.chunk``, every chunk has ``ceil(size / n)`` elements but the last non-empty one, and
+    trailing coordinates may hold none.
 
     A negative ``dim`` counts from the end and is resolved against the tensor it is applied to
     (``normalize``).
@@ -98,6 +100,18 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
+def check_partials(placements: tuple[Placement, ...]) -> None:
+    """Raise ``ValueError`` for Partials of different reduce ops on one tensor (other than sum with
+    avg): their reductions do not commute, so the value would depend on the order."""
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if len(ops) > 1 and ops != {"sum", "avg"}:
+        raise ValueError(
+            f"placements {placements} mix Partial reduce ops {sorted(ops)}: a tensor may hold one kind "
+            f"of partial value (sum and avg may be mixed); reduce one of them first (redistribute to "
+            f"Replicate or Shard)"
+        )
+
+
 def normalize_placements(
     placements: object, mesh_ndim: int, tensor_ndim: int | None = None
 ) -> tuple[Placement, ...]:
@@ -124,4 +138,5 @@ def normalize_placements(
             f"got {len(out)} placements {tuple(out)} for a {mesh_ndim}-D mesh; "
             f"give exactly one placement per mesh dim"
         )
+    check_partials(tuple(out))
     return tuple(out)

@@ -3,14 +3,23 @@
 The step semantics live here once: ``chunk`` keeps this rank's slice, ``to_partial`` keeps a sum
 on coordinate 0 and zeros elsewhere (avg/max/min keep the value), the rest are one collective along
 the step's mesh dim.  Each platform supplies the primitives (``PlanPrimitives``).
+
+Uneven shards (``torch.chunk``-style: full chunks first, then a short one, then empty ones) are
+padded at the end of the dim to the full chunk size before a collective that needs equal pieces
+and cut back after it.  Because every chunk before the short one is full, the real data of a
+gathered dim is always its first ``size`` elements, so unpadding is one ``narrow`` from 0.  The
+members of one mesh-dim group always agree on the padded shape (they differ only in their
+coordinate on that dim), so a group whose padded block is empty skips the collective together,
+as does a mesh dim of size 1.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hp_dtensor.placement_types import Partial, Shard
+from hp_dtensor.placement_types import Partial, Placement, Shard
 from hp_dtensor.redistribute_planner import RedistributePlan
+from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset, size_before
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
@@ -18,9 +27,15 @@ if TYPE_CHECKING:
 
 class PlanPrimitives(Protocol):
     """Local ops and collectives along one mesh dim; ``n`` is the dim's size and ``index`` this
-    rank's coordinate on it."""
+    rank's coordinate on it.  Collectives get equal pieces only (the walker pads)."""
 
     def chunk(self, t: Any, dim: int, n: int, index: int) -> Any: ...
+
+    def narrow(self, t: Any, dim: int, start: int, length: int) -> Any: ...
+
+    def pad(self, t: Any, dim: int, size: int) -> Any:
+        """``t`` with zeros appended along ``dim`` up to ``size``."""
+        ...
 
     def zeros_like(self, t: Any) -> Any: ...
 
@@ -33,36 +48,107 @@ class PlanPrimitives(Protocol):
     def all_to_all(self, t: Any, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> Any: ...
 
 
+def _shape(t: Any) -> list[int]:
+    return [int(s) for s in t.shape]
+
+
+def _pad(prims: PlanPrimitives, t: Any, dim: int, size: int) -> Any:
+    return t if _shape(t)[dim] == size else prims.pad(t, dim, size)
+
+
+def _cut(prims: PlanPrimitives, t: Any, dim: int, size: int) -> Any:
+    return t if _shape(t)[dim] == size else prims.narrow(t, dim, 0, size)
+
+
+def _empty_result(prims: PlanPrimitives, t: Any, shape: list[int]) -> Any:
+    """A zero-element tensor of ``shape`` made from ``t`` (which is zero-element too)."""
+    out = t
+    for d, s in enumerate(shape):
+        if _shape(out)[d] > s:
+            out = prims.narrow(out, d, 0, s)
+        elif _shape(out)[d] < s:
+            out = prims.pad(out, d, s)
+    return out
+
+
 def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPrimitives) -> Any:
     coord = mesh.get_coordinate()
     assert coord is not None, "this rank is not part of the mesh"
+    state: list[Placement] = list(plan.src)
+    gshape = plan.global_shape
     for step in plan.steps:
         k = step.mesh_dim
         n = mesh.shape[k]
         idx = coord[k]
         kind = step.kind
-        if kind == "chunk":
+
+        def parent(d: int) -> int:
+            # the size mesh dim k splits: later mesh dims never shard d during this step
+            return size_before(gshape, mesh.shape, state, coord, k, d)
+
+        if n == 1:
+            pass  # a mesh dim of one rank: every step on it is the identity, nothing moves
+        elif kind == "chunk":
             assert isinstance(step.dst, Shard)
-            local = prims.chunk(local, step.dst.dim, n, idx)
-            continue
-        if kind == "to_partial":
+            d = step.dst.dim
+            size = parent(d)
+            if size % n == 0:
+                local = prims.chunk(local, d, n, idx)
+            else:
+                length, start = chunk_size_and_offset(size, n, idx)
+                local = prims.narrow(local, d, start, length)
+        elif kind == "to_partial":
             assert isinstance(step.dst, Partial)
             if step.dst.reduce_op == "sum" and idx != 0:
                 local = prims.zeros_like(local)
-            continue
-        group = mesh.get_group(k)
-        if kind == "all_gather":
+        elif kind == "all_gather":
             assert isinstance(step.src, Shard)
-            local = prims.all_gather(local, step.src.dim, group, n, idx)
+            d = step.src.dim
+            size = parent(d)
+            full = chunk_size(size, n)
+            shape = _shape(local)
+            shape[d] = full
+            if 0 in shape:
+                shape[d] = size
+                local = _empty_result(prims, local, shape)
+            else:
+                local = _pad(prims, local, d, full)
+                local = prims.all_gather(local, d, mesh.get_group(k), n, idx)
+                local = _cut(prims, local, d, size)
         elif kind == "all_reduce":
             assert isinstance(step.src, Partial)
-            local = prims.all_reduce(local, step.src.reduce_op, group, n, idx)
+            if 0 not in _shape(local):
+                local = prims.all_reduce(local, step.src.reduce_op, mesh.get_group(k), n, idx)
         elif kind == "reduce_scatter":
             assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
-            local = prims.reduce_scatter(local, step.dst.dim, step.src.reduce_op, group, n, idx)
+            d = step.dst.dim
+            size = _shape(local)[d]
+            length = chunk_size_and_offset(size, n, idx)[0]
+            shape = _shape(local)
+            shape[d] = chunk_size(size, n) * n
+            if 0 in shape:
+                shape[d] = length
+                local = _empty_result(prims, local, shape)
+            else:
+                local = _pad(prims, local, d, shape[d])
+                local = prims.reduce_scatter(local, d, step.src.reduce_op, mesh.get_group(k), n, idx)
+                local = _cut(prims, local, d, length)
         elif kind == "all_to_all":
             assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
-            local = prims.all_to_all(local, step.dst.dim, step.src.dim, group, n, idx)
+            i, j = step.src.dim, step.dst.dim
+            size_i, size_j = parent(i), _shape(local)[j]
+            full_i, full_j = chunk_size(size_i, n), chunk_size(size_j, n)
+            length_j = chunk_size_and_offset(size_j, n, idx)[0]
+            shape = _shape(local)
+            shape[i], shape[j] = full_i, full_j * n
+            if 0 in shape:
+                shape[i], shape[j] = size_i, length_j
+                local = _empty_result(prims, local, shape)
+            else:
+                local = _pad(prims, _pad(prims, local, i, full_i), j, full_j * n)
+                local = prims.all_to_all(local, j, i, mesh.get_group(k), n, idx)
+                local = _cut(prims, _cut(prims, local, i, size_i), j, length_j)
         else:  # pragma: no cover - the planner emits only the kinds above
             raise AssertionError(kind)
+        state[k] = step.dst
     return local

@@ -14,11 +14,15 @@ Replicate -> Shard(i)  chunk (local)    0
 Replicate -> Partial   local            0
 =====================  ===============  ==========================
 
-``local`` is the local element count *before* the step, so the order of steps across mesh dims
-matters ([P, S] -> [R, R] reduces the small shard before gathering).  Dijkstra over states picks
-the minimum total; a small per-step charge prefers shorter plans among equals.  Mesh dims shard a
-tensor dim in mesh order, so a step on mesh dim k may only touch tensor dim d when no later mesh
-dim currently shards d.  Plans are cached.
+``local`` is the local element count *before* the step on the rank holding the largest shard
+(mesh coordinate 0): uneven shards are padded to that size where a collective needs equal pieces
+(all_gather, reduce_scatter, all_to_all), so the cost is what the collective really moves, padding
+included.  The order of steps across mesh dims matters ([P, S] -> [R, R] reduces the small shard
+before gathering).  Dijkstra over states picks the minimum total; a small per-step charge prefers
+shorter plans among equals.  Mesh dims shard a tensor dim in mesh order, so a step on mesh dim k
+may only touch tensor dim d when no later mesh dim currently shards d.  Partials of different
+reduce ops on one tensor are refused (max does not commute with sum), except sum with avg, which
+do commute.  Plans are cached.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.shard_geometry import check_even_sharding, local_shape
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, check_partials
+from hp_dtensor.shard_geometry import check_shard_dims, chunk_size, max_local_shape
 
 _STEP_CHARGE = 1e-3  # tie-breaker, in elements
 
@@ -51,7 +55,9 @@ class PlanStep:
 @dataclass(frozen=True, slots=True)
 class RedistributePlan:
     steps: tuple[PlanStep, ...]
-    cost: float  # elements moved per rank
+    cost: float  # elements moved per rank (on the rank with the largest shard)
+    global_shape: tuple[int, ...] = ()  # what the plan was made for: the walker sizes uneven
+    src: tuple[Placement, ...] = ()  # shards (and their padding) from it
 
     def collectives(self) -> list[str]:
         return [s.kind for s in self.steps if s.kind not in ("chunk", "to_partial")]
@@ -78,6 +84,7 @@ def _step_kind(src: Placement, dst: Placement) -> str | None:
 
 
 def _step_cost(kind: str, n: int, local_numel: int) -> float:
+    """Elements one rank moves for a step on a local block of ``local_numel`` (already padded)."""
     if kind == "all_gather":
         return (n - 1) * local_numel
     if kind == "all_reduce":
@@ -85,6 +92,20 @@ def _step_cost(kind: str, n: int, local_numel: int) -> float:
     if kind in ("reduce_scatter", "all_to_all"):
         return (n - 1) / n * local_numel
     return 0.0
+
+
+def padded_step_numel(local: tuple[int, ...], kind: str, n: int, src: Placement, dst: Placement) -> int:
+    """Elements of the (padded) block a collective of ``kind`` sends, from the local shape before
+    the step: a scattered dim is padded to a multiple of ``n``."""
+    shape = list(local)
+    if kind in ("reduce_scatter", "all_to_all") and isinstance(dst, Shard):
+        shape[dst.dim] = chunk_size(shape[dst.dim], n) * n
+    return math.prod(shape)
+
+
+def _mixed(placements: tuple[Placement, ...]) -> bool:
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    return len(ops) > 1 and ops != {"sum", "avg"}
 
 
 def _touched_dims(src: Placement, dst: Placement) -> list[int]:
@@ -119,9 +140,12 @@ def plan_redistribute(
         raise ValueError(
             f"placements {src} -> {dst} do not match a {len(mesh_shape)}-D mesh of shape {mesh_shape}"
         )
-    check_even_sharding(global_shape, mesh_shape, dst)
+    check_shard_dims(global_shape, src)
+    check_shard_dims(global_shape, dst)
+    check_partials(src)
+    check_partials(dst)
     if src == dst:
-        return RedistributePlan((), 0.0)
+        return RedistributePlan((), 0.0, global_shape, src)
     ndim = len(global_shape)
     options = [_candidates(k, ndim, src[k], dst[k]) for k in range(len(mesh_shape))]
     counter = itertools.count()
@@ -132,10 +156,10 @@ def plan_redistribute(
     while heap:
         cost, _, state, steps = heapq.heappop(heap)
         if state == dst:
-            return RedistributePlan(steps, cost - _STEP_CHARGE * len(steps))
+            return RedistributePlan(steps, cost - _STEP_CHARGE * len(steps), global_shape, src)
         if cost > best.get(state, math.inf):
             continue
-        numel = math.prod(local_shape(global_shape, mesh_shape, state))
+        local = max_local_shape(global_shape, mesh_shape, state)
         for k, cur in enumerate(state):
             for nxt in options[k]:
                 if nxt == cur:
@@ -144,10 +168,9 @@ def plan_redistribute(
                 if kind is None or not _valid(state, k, cur, nxt):
                     continue
                 new_state = state[:k] + (nxt,) + state[k + 1 :]
-                try:
-                    check_even_sharding(global_shape, mesh_shape, new_state)
-                except ValueError:
+                if _mixed(new_state):
                     continue
+                numel = padded_step_numel(local, kind, mesh_shape[k], cur, nxt)
                 new_cost = cost + _step_cost(kind, mesh_shape[k], numel) + _STEP_CHARGE
                 if new_cost < best.get(new_state, math.inf):
                     best[new_state] = new_cost

@@ -1,7 +1,10 @@
 """Collectives on local tensors along one mesh dim (no autograd; callers provide duals).
 
 Every function records itself in ``CommDebugMode``.  ``avg`` is not a gloo reduce op, so it is a
-sum followed by a division.
+sum followed by a division.  ``max``/``min`` of floating-point values run on order-preserving
+integer keys of the same width (no extra bytes move, except 16-bit floats, which gloo can only
+order through 32-bit keys): gloo's float MAX/MIN drop NaN, the keys
+put NaN above +inf (max) or below -inf (min), so a NaN on any rank gives NaN on every rank.
 """
 
 from __future__ import annotations
@@ -16,14 +19,47 @@ from hp_dtensor.comm_debug import record
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+_KEY_DTYPE = {8: torch.int64, 4: torch.int32}
+_KEY_MASK = {8: 0x7FFFFFFFFFFFFFFF, 4: 0x7FFFFFFF}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _needs_keys(t: torch.Tensor, op: str) -> bool:
+    return op in ("max", "min") and t.is_floating_point() and t.element_size() in (2, 4, 8)
+
+
+def _to_keys(t: torch.Tensor, op: str) -> torch.Tensor:
+    """Integer keys ordered like the floats, with every NaN made the extreme of ``op``.
+
+    Non-negative floats keep their bits; negative ones flip all but the sign bit, so the signed
+    integer order is the float order.  NaN becomes the largest key (max) or the smallest (min):
+    both decode to a NaN."""
+    if t.element_size() == 2:  # gloo has no int16 reductions: 16-bit floats go through float32 (exact)
+        t = t.float()
+    t = t.contiguous()
+    kdt = _KEY_DTYPE[t.element_size()]
+    bits = t.view(kdt)
+    keys = torch.where(bits >= 0, bits, bits ^ _KEY_MASK[t.element_size()])
+    info = torch.iinfo(kdt)
+    return keys.masked_fill(torch.isnan(t), info.max if op == "max" else info.min)
+
+
+def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = keys.element_size()
+    bits = torch.where(keys >= 0, keys, keys ^ _KEY_MASK[size])
+    return bits.view(torch.float32).to(dtype) if size == 4 and dtype != torch.float32 else bits.view(dtype)
+
+
 def all_reduce(t: torch.Tensor, op: str, group: Any, n: int) -> torch.Tensor:
-    out = t.contiguous().clone()
+    keys = _needs_keys(t, op)
+    out = _to_keys(t, op) if keys else t.contiguous().clone()
     record("all_reduce", _nbytes(out))
     dist.all_reduce(out, op=_OPS[op], group=group)
+    if keys:
+        return _from_keys(out, t.dtype)
     if op == "avg":
         out.div_(n)
     return out
@@ -44,11 +80,16 @@ def all_gather(t: torch.Tensor, dim: int, group: Any, n: int) -> torch.Tensor:
 
 def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int) -> torch.Tensor:
     """Reduce ``t`` over the group and keep chunk ``coordinate`` of ``dim``."""
+    keys = _needs_keys(t, op)
     moved = t.movedim(dim, 0).contiguous()
+    if keys:
+        moved = _to_keys(moved, op)
     out = moved.new_empty((moved.shape[0] // n,) + tuple(moved.shape[1:]))
     record("reduce_scatter", _nbytes(moved))
     dist.reduce_scatter_single(out, moved, op=_OPS[op], group=group)
-    if op == "avg":
+    if keys:
+        out = _from_keys(out, t.dtype)
+    elif op == "avg":
         out.div_(n)
     return out.movedim(0, dim)
 

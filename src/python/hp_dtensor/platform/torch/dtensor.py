@@ -13,8 +13,11 @@ from typing import Any
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor import from_local_check
 from hp_dtensor.dtensor_spec import (
     DTensorSpec,
+    check_partial_dtype,
+    check_src_data_rank,
     distribute_placements,
     from_local_spec,
     redistribute_target,
@@ -23,7 +26,7 @@ from hp_dtensor.dtensor_spec import (
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
-from hp_dtensor.shard_geometry import check_equal_shard_shapes
+from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
 from hp_dtensor.sharding.strides import global_strides
 
 
@@ -99,6 +102,7 @@ class DTensor(torch.Tensor):
         if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
             device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
         dst = redistribute_target(self._spec, device_mesh, placements)
+        check_partial_dtype(dst, str(self.dtype), _is_floating(self.dtype))
         if dst == self._spec.placements:
             return self
         mesh = self._spec.mesh
@@ -121,25 +125,84 @@ class DTensor(torch.Tensor):
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shard of a DTensor (differentiable, no copy).
 
-        ``run_check=True`` checks with one all_gather of shapes that every rank's shard has the
-        same shape (even sharding), and raises ``ValueError`` naming the ranks that differ."""
+        Without ``shape`` the global shape assumes even sharding (every rank's shard alike), as in
+        torch; uneven shards need ``shape`` (and optionally ``stride``, the global contiguous
+        strides).  ``run_check=True`` exchanges one fixed-size record per rank (ndim, shape, dtype,
+        placements, ``shape``, a checksum of the data) and raises the same ``ValueError`` on every
+        rank, naming each rank's value, when they do not describe one DTensor -- including
+        ``Replicate`` shards whose data differ."""
         mesh = resolve_mesh(device_mesh, "from_local")
-        spec = from_local_spec(local_tensor.shape, mesh, placements, shape)
-        if run_check:
-            _check_equal_local_shapes(local_tensor, mesh)
+        if not run_check:
+            spec = _from_local_spec(local_tensor, mesh, placements, shape, stride)
+            return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
+        error: Exception | None = None
+        try:
+            spec = _from_local_spec(local_tensor, mesh, placements, shape, stride)
+        except (ValueError, TypeError) as e:
+            error = e
+        _run_check(local_tensor, mesh, placements, shape, error is None)
+        if error is not None:
+            raise error
         return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
 
 
-def _check_equal_local_shapes(local: torch.Tensor, mesh: DeviceMesh) -> None:
-    # Gather every rank's shape over all mesh dims (last dim first, so rows come out in the mesh's
-    # row-major rank order) before deciding: every rank then raises together, none is left
-    # waiting in a collective its peers skipped.
+def _is_floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _from_local_spec(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement] | Placement | None,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+) -> DTensorSpec:
+    spec = from_local_spec(local.shape, mesh, placements, shape)
+    check_partial_dtype(spec.placements, str(local.dtype), _is_floating(local.dtype))
+    if stride is not None and tuple(int(s) for s in stride) != _contiguous_strides(spec.shape):
+        raise ValueError(
+            f"stride={tuple(stride)} is not the contiguous stride {_contiguous_strides(spec.shape)} of "
+            f"shape {spec.shape}: DTensors describe their global tensor as contiguous"
+        )
+    return spec
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two float64 sums of the data (plain and position-weighted), as their bit patterns: equal
+    data give equal bits, and a differing element almost surely changes one of them."""
+    if t.is_meta or t.numel() == 0:
+        return (0, 0)
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.reshape(-1).to(torch.float64)
+    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device).remainder_(1021).add_(1)
+    sums = torch.stack([x.sum(), (x * w).sum()]).cpu()
+    a, b = sums.view(torch.int64).tolist()
+    return (int(a), int(b))
+
+
+def _run_check(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement] | Placement | None,
+    shape: Sequence[int] | None,
+    ok: bool,
+) -> None:
     coord = mesh.get_coordinate()
-    assert coord is not None
-    rows = torch.tensor([list(local.shape) + [local.ndim]], dtype=torch.int64)
+    if coord is None:
+        return
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    rec = from_local_check.make_record(
+        ok, tuple(local.shape), str(local.dtype), placements, shape, _checksum(local)
+    )
+    # Gather every rank's record over all mesh dims (last dim first, so rows come out in the mesh's
+    # row-major rank order); every rank then decides on the same table.
+    rows = torch.tensor([rec.encode()], dtype=torch.int64, device=local.device if not local.is_meta else "cpu")
     for k in reversed(range(mesh.ndim)):
         rows = C.all_gather(rows.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k]).flatten(0, 1)
-    check_equal_shard_shapes(rows.tolist(), mesh)
+    from_local_check.verify(rows.cpu().tolist(), mesh.layout)
 
 
 def distribute_tensor(
@@ -159,6 +222,8 @@ def distribute_tensor(
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     gshape = tuple(tensor.shape)
     pl = distribute_placements(gshape, mesh, placements)
+    check_partial_dtype(pl, str(tensor.dtype), _is_floating(tensor.dtype))
+    check_src_data_rank(src_data_rank, mesh)
     requires_grad = tensor.requires_grad
     src = None if tensor.is_meta else src_data_rank
     coord = mesh.get_coordinate()
@@ -169,16 +234,14 @@ def distribute_tensor(
         for k, p in enumerate(pl):
             n = mesh.shape[k]
             if isinstance(p, Shard):
-                size = local.shape[p.dim] // n
+                size = local.shape[p.dim]
+                length, start = chunk_size_and_offset(size, n, coord[k])
                 if src is None:
-                    local = local.narrow(p.dim, coord[k] * size, size)
+                    local = local.narrow(p.dim, start, length)
                 else:
-                    group_ranks = mesh.group_ranks(k)
-                    chunks = list(local.contiguous().chunk(n, dim=p.dim))
-                    is_src = coord[k] == src
-                    local = C.scatter(chunks if is_src else None, chunks[0], group_ranks[src], mesh.get_group(k))
+                    local = _scatter_shard(local, p.dim, n, src, mesh, k, start, length)
             else:
-                if src is not None:
+                if src is not None and local.numel():
                     local = C.broadcast(local, mesh.group_ranks(k)[src], mesh.get_group(k))
                 if isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0:
                     local = torch.zeros_like(local)
@@ -187,6 +250,33 @@ def distribute_tensor(
             local = local.clone()
     out = DTensor(local, DTensorSpec(mesh, pl, gshape), requires_grad=requires_grad)
     return out
+
+
+def _scatter_shard(
+    local: torch.Tensor, dim: int, n: int, src: int, mesh: DeviceMesh, k: int, start: int, length: int
+) -> torch.Tensor:
+    """Scatter ``torch.chunk``-style pieces of ``dim`` from group rank ``src`` of mesh dim ``k``;
+    pieces are padded to the full chunk size for the collective and cut back to ``length``."""
+    size = local.shape[dim]
+    full = chunk_size(size, n)
+    padded_shape = list(local.shape)
+    padded_shape[dim] = full
+    if 0 in padded_shape:  # the whole group holds nothing here: no collective
+        return local.narrow(dim, start, length)
+    chunks = None
+    if mesh.get_coordinate()[k] == src:  # type: ignore[index]
+        chunks = []
+        for r in range(n):
+            piece_len, piece_start = chunk_size_and_offset(size, n, r)
+            piece = local.narrow(dim, piece_start, piece_len)
+            if piece_len < full:
+                pad = list(piece.shape)
+                pad[dim] = full - piece_len
+                piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+            chunks.append(piece)
+    out_like = local.new_empty(padded_shape)
+    out = C.scatter(chunks, out_like, mesh.group_ranks(k)[src], mesh.get_group(k))
+    return out if length == full else out.narrow(dim, 0, length).contiguous()
 
 
 __all__ = ["DTensor", "DTensorSpec", "distribute_tensor"]

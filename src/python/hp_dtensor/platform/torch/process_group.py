@@ -33,10 +33,11 @@ def is_initialized() -> bool:
 
 
 def ensure_process_group(device_type: str) -> None:
-    """Start the default group from torchrun's environment when none exists."""
+    """Start the default group from torchrun's environment when none exists (the device type is
+    checked either way)."""
+    backend = backend_for(device_type)
     if is_initialized():
         return
-    backend = backend_for(device_type)
     needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [k for k in needed if k not in os.environ]
     if missing:

@@ -36,6 +36,16 @@ class _Primitives:
         size = t.shape[dim] // n
         return t.narrow(dim, index * size, size).contiguous()
 
+    @staticmethod
+    def narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        return t.narrow(dim, start, length).contiguous()
+
+    @staticmethod
+    def pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = size - shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
     zeros_like = staticmethod(torch.zeros_like)
 
     @staticmethod
