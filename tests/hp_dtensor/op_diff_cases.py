@@ -253,10 +253,10 @@ def _close(a: Any, b: Any, tol: float) -> bool:
         return False
     if not a.is_floating_point():
         return bool(torch.equal(a, b))
-    return bool(torch.allclose(a, b, rtol=tol, atol=tol * 1e-2, equal_nan=True))
+    return bool(torch.allclose(a, b, rtol=tol, atol=tol * (0.1 if tol > _RTOL else 1e-2), equal_nan=True))
 
 
-def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, scale: int = 1) -> dict[str, Any]:
+def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, scale: float = 1.0) -> dict[str, Any]:
     """Every op on ``mesh_shape``; returns counts and the failures (op, placements, what)."""
     import torch
 
@@ -273,7 +273,7 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
         choices = [placement_choices(t, mesh_shape, op.partial) for t in op.inputs]
         combos = list(itertools.product(*choices))
         rng.shuffle(combos)
-        combos = combos[: op.max_combos * scale]
+        combos = combos[: max(1, int(op.max_combos * scale))]
         for ci, combo in enumerate(combos):
             gen = torch.Generator().manual_seed(seed * 7919 + ci)
             values = [_value(t, gen) for t in op.inputs]
@@ -285,7 +285,8 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
             where = f"{op.name} {[tuple(map(str, pl)) for pl in combo]} on mesh {mesh_shape}"
             cases += 1
             covered[op.name] = covered.get(op.name, 0) + 1
-            tol = 2e-6 if "f32" in op.tags else _RTOL
+            # A float32 cast rounds each Partial part on its own: float32 tolerances there.
+            tol = 1e-5 if "f32" in op.tags else _RTOL
             try:
                 out = op.fn(*d_in)
                 ref = op.fn(*ref_in)
@@ -323,3 +324,23 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
         "fallbacks": sorted(dispatch._warned),
         "answers": answers,
     }
+
+
+def summarize(results: list[dict[str, Any]], mesh_shape: tuple[int, ...]) -> str:
+    """One line a reader of the test output sees: the size of the proof."""
+    r = results[0]
+    return (
+        f"op differential suite on mesh {mesh_shape}: {r['cases']} cases, {len(r['ops'])} ops, "
+        f"{sum(len(x['failures']) for x in results)} failures, fallbacks hit: {r['fallbacks'] or 'none'}, "
+        f"{len(r['answers'])} Python-value answers identical on {len(results)} ranks: "
+        f"{all(x['answers'] == r['answers'] for x in results)}"
+    )
+
+
+def check(results: list[dict[str, Any]], mesh_shape: tuple[int, ...]) -> None:
+    print(summarize(results, mesh_shape))
+    failures = sorted({f for x in results for f in x["failures"]})
+    assert not failures, "\n".join(failures)
+    assert all(x["answers"] == results[0]["answers"] for x in results), "ranks disagree on a Python value"
+    assert not results[0]["fallbacks"], f"ops fell back to replication: {results[0]['fallbacks']}"
+    assert len(results[0]["ops"]) == len(ops()), "some op ran no case"
