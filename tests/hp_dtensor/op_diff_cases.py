@@ -191,7 +191,7 @@ def placement_choices(t: In, mesh_shape: tuple[int, ...], partial: bool) -> list
 
     is_float = t.kind in ("f", "pos", "nan")
     per_dim: list[list[Any]] = []
-    for n in mesh_shape:
+    for _ in mesh_shape:
         opts: list[Any] = [Replicate()] + [Shard(d) for d in range(len(t.shape))]
         if is_float and partial:
             opts += [Partial("sum"), Partial("avg")]
@@ -306,15 +306,15 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
                 (ref * g).sum().backward()
                 gd = DTensor.from_local(_local_part(g, mesh, tuple(g_pl), gen), mesh, g_pl)
                 (out * gd).sum().full_tensor().backward()
-                for i, (r, d) in enumerate(zip(ref_in, d_in)):
+                for i, (r, dt) in enumerate(zip(ref_in, d_in)):
                     if r.grad is None:
                         continue
-                    if d.grad is None:
+                    if dt.grad is None:
                         failures.append(f"{where}: input {i} got no gradient")
-                    elif not _close(d.grad.full_tensor(), r.grad, tol):
-                        err = (d.grad.full_tensor() - r.grad).abs().nan_to_num(1e9).max()
+                    elif not _close(dt.grad.full_tensor(), r.grad, tol):
+                        err = (dt.grad.full_tensor() - r.grad).abs().nan_to_num(1e9).max()
                         failures.append(f"{where}: input {i} gradient differs (max err {err}, "
-                                        f"grad placements {d.grad.placements})")
+                                        f"grad placements {dt.grad.placements})")
             except Exception as e:  # noqa: BLE001  (reported with the case; every rank raises alike)
                 failures.append(f"{where}: raised {type(e).__name__}: {str(e)[:300]}")
     return {

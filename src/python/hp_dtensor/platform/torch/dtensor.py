@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor import from_local_check
+from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_spec import (
     DTensorSpec,
     check_partial_dtype,

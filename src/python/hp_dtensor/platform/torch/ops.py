@@ -23,7 +23,12 @@ from hp_dtensor.sharding.indexing import (
     scatter_rule,
     slice_backward_rule,
 )
-from hp_dtensor.sharding.loss import mse_loss_backward_rule, mse_loss_rule, nll_loss_backward_rule, nll_loss_rule
+from hp_dtensor.sharding.loss import (
+    mse_loss_backward_rule,
+    mse_loss_rule,
+    nll_loss_backward_rule,
+    nll_loss_rule,
+)
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
