@@ -49,14 +49,16 @@ def slice_backward_rule(call: OpCall) -> Decision:
     d = call.args[2] % len(sizes)
     req = tuple(_R if isinstance(p, Shard) and p.dim == d else p for p in g.placements)
     args = list(call.args)
-    args[1] = _local_sizes(sizes, req, call.mesh_shape)
+    args[1] = _local_sizes(sizes, req, call.mesh_shape, call.coordinate)
     return Decision((req,), (req,), args=tuple(args))
 
 
-def _local_sizes(sizes: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> list[int]:
+def _local_sizes(
+    sizes: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Sequence[int] | None
+) -> list[int]:
     from hp_dtensor.shard_geometry import local_shape
 
-    return list(local_shape(tuple(sizes), mesh_shape, placements))
+    return list(local_shape(tuple(sizes), mesh_shape, placements, coord))
 
 
 def index_select_rule(call: OpCall) -> Decision:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 _PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
@@ -24,9 +25,11 @@ def reduction_rule(
     red = set(range(t.ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims}
     req: list[Placement] = []
     out: list[Placement] = []
+    even = is_even(t.shape, call.mesh_shape, t.placements)
     for p in t.placements:
         if isinstance(p, Shard) and p.dim in red:
-            if kind in _PARTIAL_OF:
+            # A mean of unequal shards is not the mean of the shard means: gather those.
+            if kind in _PARTIAL_OF and (even or kind != "mean"):
                 req.append(p)
                 out.append(Partial(_PARTIAL_OF[kind]))  # type: ignore[arg-type]
             else:

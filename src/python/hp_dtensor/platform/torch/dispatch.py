@@ -17,7 +17,7 @@ from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import global_shape
+from hp_dtensor.shard_geometry import global_shape, is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
 
 aten = torch.ops.aten
@@ -25,7 +25,8 @@ aten = torch.ops.aten
 _TABLE = OpTable()
 RULES = _TABLE.rules
 KERNELS = _TABLE.kernels
-_cache: dict[Any, tuple[Decision, bool]] = {}
+# (decision, is_fallback, global output shapes or None where the wrap may infer them from even shards)
+_cache: dict[Any, tuple[Decision, bool, list[tuple[int, ...]] | None]] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
 
@@ -186,8 +187,8 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             if len(_cache) > _CACHE_LIMIT:
                 _cache.clear()
             _cache[key] = cached
-    decision, is_fallback = cached
-    return _run(func, flat, treespec, mesh, decision, is_fallback, args)
+    decision, is_fallback, out_shapes = cached
+    return _run(func, flat, treespec, mesh, decision, is_fallback, args, out_shapes)
 
 
 def _is_one_hot_classes(func: Any, args: tuple[Any, ...], leaf: torch.Tensor) -> bool:
@@ -218,12 +219,50 @@ def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
     ]
 
 
-def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
+def _decide(
+    func: Any, flat: list[Any], treespec: Any, mesh: Any
+) -> tuple[Decision, bool, list[tuple[int, ...]] | None]:
+    decision, is_fallback = _decide_placements(func, flat, treespec, mesh)
+    if not any(decision.outputs):  # a Python value (equal, item): no shape to wrap
+        return decision, is_fallback, None
+    return decision, is_fallback, _output_shapes(func, flat, treespec, mesh)
+
+
+def _output_shapes(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> list[tuple[int, ...]] | None:
+    """Global output shapes, from the op run once on meta tensors of the global shapes (cached with
+    the decision): with an uneven shard, in or out, local shapes differ by rank and cannot be
+    scaled up.  None where meta cannot run the op (data-dependent outputs, Python values) and
+    every input is even: the wrap then scales local shapes up."""
+    metas = [
+        torch.empty(leaf._spec.shape, dtype=leaf.dtype, device="meta")
+        if isinstance(leaf, DTensor)
+        else leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf
+        for leaf in flat
+    ]
+    m_args, m_kwargs = _unflatten(metas, treespec)
+    try:
+        with torch.no_grad():
+            out = func(*m_args, **m_kwargs)
+    except Exception as e:  # no meta kernel, or data-dependent: refuse rather than guess
+        if all(
+            is_even(leaf._spec.shape, mesh.shape, leaf._spec.placements)
+            for leaf in flat
+            if isinstance(leaf, DTensor)
+        ):
+            return None
+        raise NotImplementedError(
+            f"{func} on unevenly sharded inputs: cannot infer its global output shape ({e}); "
+            f"redistribute the inputs to an even layout (or Replicate) first"
+        ) from e
+    return [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _decide_placements(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
     infos = [
         TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf for leaf in flat
     ]
     args, kwargs = _unflatten(infos, treespec)
-    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
+    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs), mesh.get_coordinate())
     rule = _find_rule(func)
     if rule is None:
         if str(func) not in _warned:
@@ -237,7 +276,14 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
 
 
 def _run(
-    func: Any, flat: list[Any], treespec: Any, mesh: Any, decision: Decision, is_fallback: bool, args: Any
+    func: Any,
+    flat: list[Any],
+    treespec: Any,
+    mesh: Any,
+    decision: Decision,
+    is_fallback: bool,
+    args: Any,
+    out_shapes: list[tuple[int, ...]] | None = None,
 ) -> Any:
     inplace = _is_inplace(func)
     locals_: list[Any] = []
@@ -293,25 +339,29 @@ def _run(
             new_local = redistribute_local(out, mesh, spec.shape, rep, spec.placements)
             self_dt._local_tensor.copy_(new_local)
         return self_dt
-    return _wrap(out, mesh, decision)
+    return _wrap(out, mesh, decision, out_shapes)
 
 
-def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
+def _wrap(out: Any, mesh: Any, decision: Decision, out_shapes: list[tuple[int, ...]] | None = None) -> Any:
     if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
         pl = decision.outputs[0]
-        return DTensor(out, DTensorSpec(mesh, pl, global_shape(out.shape, mesh.shape, pl)))
+        shape = out_shapes[0] if out_shapes else global_shape(out.shape, mesh.shape, pl)
+        return DTensor(out, DTensorSpec(mesh, pl, shape))
     flat, spec = pytree.tree_flatten(out)
     res = []
     j = 0
+    ti = 0  # index among tensor outputs (what out_shapes lists)
     outs = decision.outputs
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
             leaf_pl = outs[min(j, len(outs) - 1)] if outs else None
             j += 1
+            ti += 1
             if leaf_pl is None:
                 res.append(leaf)
                 continue
-            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, global_shape(leaf.shape, mesh.shape, leaf_pl))))
+            shape = out_shapes[ti - 1] if out_shapes else global_shape(leaf.shape, mesh.shape, leaf_pl)
+            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, shape)))
         else:
             if leaf is None:
                 j += 1

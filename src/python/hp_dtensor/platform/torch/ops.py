@@ -168,7 +168,7 @@ def _new_factory(call: OpCall) -> Decision:
         out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
     else:
         out = tuple(Replicate() for _ in t.placements)
-    loc = list(local_shape(size, call.mesh_shape, out))
+    loc = list(local_shape(size, call.mesh_shape, out, call.coordinate))
     args = list(call.args)
     args[1] = loc
     if call.name.startswith("aten.new_empty_strided"):
@@ -235,7 +235,7 @@ def _select_backward(call: OpCall) -> Decision:
     d = call.args[2] % len(sizes)
     out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in g.placements)
     args = list(call.args)
-    args[1] = list(local_shape(tuple(sizes), call.mesh_shape, out))
+    args[1] = list(local_shape(tuple(sizes), call.mesh_shape, out, call.coordinate))
     return Decision((g.placements,), (out,), args=tuple(args))
 register(aten.expand.default)(expand_rule)
 register(aten.select.int)(select_rule)
@@ -322,7 +322,14 @@ register(aten._scaled_dot_product_flash_attention_for_cpu.default)(lambda c: sdp
 register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(lambda c: sdpa_rule(c, 6, 3))
 
 # ---------------------------------------------------------------- embedding
-register(aten.embedding.default)(embedding_rule)
+@register(aten.embedding.default)
+def _embedding(call: OpCall) -> Decision:
+    dec = embedding_rule(call)
+    if dec.kernel != "masked_embedding":
+        return dec
+    # The kernel needs the vocab size: a rank's first row is its chunk's offset, uneven or not.
+    return Decision(dec.inputs, dec.outputs, kwargs={**call.kwargs, "vocab": call.args[0].shape[0]},
+                    kernel=dec.kernel)
 register(aten.embedding_dense_backward.default)(lambda c: embedding_backward_rule(c, ()))
 
 
@@ -332,10 +339,10 @@ def _masked_embedding(mesh: Any, decision: Decision, func: Any, weight: torch.Te
     """Look up the ids in this rank's vocab rows; others give zero rows (output is Partial sum)."""
     wpl = decision.inputs[0]
     assert wpl is not None
-    coord = mesh.get_coordinate()
-    k = next(i for i, p in enumerate(wpl) if isinstance(p, Shard) and p.dim == 0)
+    vocab = kw.pop("vocab")
     rows = weight.shape[0]
-    start = coord[k] * rows
+    rows_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in wpl]
+    start = local_offset((vocab,), mesh.shape, rows_pl, mesh.get_coordinate())[0]
     local_ids = indices - start
     outside = (local_ids < 0) | (local_ids >= rows)
     out = torch.nn.functional.embedding(local_ids.masked_fill(outside, 0), weight)
