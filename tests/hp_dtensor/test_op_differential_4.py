@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 # pytest puts this folder on sys.path; Pants' source root for it is /tests
-from op_diff_cases import check, run_cases  # type: ignore[import-not-found]
+from op_diff_cases import check, run_cases  # type: ignore[import-not-found]  # pants: no-infer-dep
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 
