@@ -111,6 +111,7 @@ def ops() -> list[Op]:
         Op("vector_norm_dim1", lambda x: torch.linalg.vector_norm(x, dim=1), (f8,)),
         Op("vector_norm_ord1", lambda x: torch.linalg.vector_norm(x, ord=1, dim=0, keepdim=True), (f8,)),
         Op("vector_norm_ord3", lambda x: torch.linalg.vector_norm(x, ord=3), (f8,)),
+        Op("foreach_norm", lambda x: torch._foreach_norm([x])[0], (In((4, 8), grad=False),)),
         Op("vector_norm_inf", lambda x: torch.linalg.vector_norm(x, ord=float("inf")), (f8,)),
         Op("logsumexp", lambda x: torch.logsumexp(x, 1), (f8,)),
         # ---- NaN anywhere gives NaN everywhere

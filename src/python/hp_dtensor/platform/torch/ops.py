@@ -523,6 +523,16 @@ def _foreach_rule(linearity: str | None) -> Any:
     return rule
 
 
+def _foreach_norm(call: OpCall) -> Decision:
+    """``_foreach_norm`` (clip_grad_norm_ with foreach=True): each tensor gathered, so the local
+    norm is the global one (correct; grads are small next to the step)."""
+    infos = call.tensors()
+    return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
+                    (tuple(Replicate() for _ in infos[0].placements),))
+
+
+FOREACH_RULES["norm"] = _foreach_norm
+
 for _base, _lin in {"add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add", "zero": "mul",
                    "neg": "mul", "*": None}.items():
     FOREACH_RULES[_base] = _foreach_rule(_lin)
