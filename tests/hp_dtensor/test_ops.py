@@ -83,7 +83,9 @@ def _cases() -> dict[str, tuple[Callable[..., Any], list[tuple[Any, Any]]]]:
         "sum_all": (lambda x: x.sum(), [(rn(4, 8), S(1))]),
         "amax_and_max_dim": (lambda x: x.amax(0) + x.max(dim=1).values.sum(), [(rn(4, 8), S(0))]),
         "cross_entropy_batch_sharded": (F.cross_entropy, [(rn(8, 10), S(0)), (tgt, S(0))]),
-        "cumsum_fallback": (lambda x: torch.cumsum(x, 0), [(rn(4, 8), S(0))]),
+        "cumsum": (lambda x: torch.cumsum(x, 0), [(rn(4, 8), S(0))]),
+        # kthvalue has no rule (no transformer step uses it): the fallback's case
+        "kthvalue_fallback": (lambda x: torch.kthvalue(x, 2, dim=1).values, [(rn(4, 8), S(0))]),
     }
 
 
@@ -130,7 +132,7 @@ CASE_NAMES = [
     "mul_partial_by_replicate", "add_partials", "silu_gelu_sigmoid", "div_pow_rsqrt_exp", "where_masked",
     "dropout_p0", "view_flatten_unflatten", "transpose_permute", "split_chunk_cat_stack", "split_sharded_dim",
     "unsqueeze_squeeze_expand", "sum_mean_sharded_dim", "sum_all", "amax_and_max_dim",
-    "cross_entropy_batch_sharded",
+    "cross_entropy_batch_sharded", "cumsum",
 ]
 
 EXPECTED_PLACEMENTS = {
@@ -159,8 +161,8 @@ def test_rule_matches_plain_tensors(pool2: RankPool, name: str) -> None:
 
 
 def test_op_without_rule_replicates_correctly_and_warns_once(pool2: RankPool) -> None:
-    for r in pool2.run(_run_case, "cumsum_fallback"):
-        assert len(r["rule_warnings"]) == 1 and "aten.cumsum" in r["rule_warnings"][0]
+    for r in pool2.run(_run_case, "kthvalue_fallback"):
+        assert len(r["rule_warnings"]) == 1 and "aten.kthvalue" in r["rule_warnings"][0]
         assert repr(r["placements"][0]) == "Replicate()"
 
 

@@ -7,7 +7,7 @@ parallel over a vocab-sharded class dim is the job of ``hp_tp.loss_parallel``.
 
 from __future__ import annotations
 
-from hp_dtensor.placement_types import Placement, Replicate, Shard
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 
@@ -36,3 +36,31 @@ def nll_loss_backward_rule(call: OpCall, reduction: int) -> Decision:
         ins = [req, req, req] + [rep for _ in infos[3:]]
         return Decision(tuple(ins), (req,))
     return Decision(tuple(rep for _ in infos), (rep,))
+
+
+def mse_loss_rule(call: OpCall, reduction: int) -> Decision:
+    """``mse_loss(self, target, reduction)``: target follows self's shards.  ``"none"`` keeps them;
+    ``"mean"``/``"sum"`` sum locally into a ``Partial("sum")``, the mean divided by the global
+    element count (the platform's ``mse_loss`` kernel), so uneven shards weigh right."""
+    x, y = call.tensors()[:2]
+    if x.shape != y.shape:  # broadcasting targets: compare whole tensors
+        rep = tuple(Replicate() for _ in x.placements)
+        return Decision((rep, rep), (rep,))
+    req = tuple(p if isinstance(p, Shard) else Replicate() for p in x.placements)
+    if reduction == 0:
+        return Decision((req, req), (req,))
+    out = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in req)
+    return Decision((req, req), (out,), args=(x, y, reduction, x.numel), kwargs={}, kernel="mse_loss")
+
+
+def mse_loss_backward_rule(call: OpCall, reduction: int) -> Decision:
+    """``mse_loss_backward(grad_output, self, target, reduction)``."""
+    g, x, y = call.tensors()[:3]
+    if x.shape != y.shape:
+        rep = tuple(Replicate() for _ in x.placements)
+        return Decision((rep, rep, rep), (rep,))
+    req = tuple(p if isinstance(p, Shard) else Replicate() for p in x.placements)
+    if reduction == 0:
+        return Decision((req, req, req), (req,))
+    rep = tuple(Replicate() for _ in g.placements)
+    return Decision((rep, req, req), (req,), args=(g, x, y, reduction, x.numel), kwargs={}, kernel="mse_loss_backward")

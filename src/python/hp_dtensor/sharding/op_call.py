@@ -37,6 +37,9 @@ class OpCall:
     mesh_shape: tuple[int, ...]
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # This rank's mesh coordinate: rules that rewrite sizes for the local call need it when a
+    # shard is uneven (its local size depends on the rank).  None: the layout must be even.
+    coordinate: tuple[int, ...] | None = None
 
     def tensors(self) -> list[TensorInfo]:
         """The DTensor arguments in flat order (args then kwargs, lists flattened)."""

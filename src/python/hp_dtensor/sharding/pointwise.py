@@ -2,8 +2,13 @@
 
 Per mesh dim: if any input is sharded on a dim that survives broadcasting, the output is sharded
 on that (output) dim and every input follows it (broadcast inputs are replicated).  With no shard,
-a ``Partial`` input stays ``Partial`` only through ops linear in it (``linear_args``); otherwise it
+a ``Partial`` input stays ``Partial`` only through ops linear in it (``linearity``); otherwise it
 is reduced first.  In-place ops keep ``self``'s placement.
+
+Adding a constant (a Python number or a 0-d plain tensor) is affine, not linear: every rank of a
+``Partial("sum")`` adding it would add it n times.  Such a call either reduces first or, where the
+platform has the kernel, adds the constant on the first rank of the partial mesh dims only
+(``Partial("avg")`` needs nothing: the mean of ``x_i + c`` is ``mean(x_i) + c``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,45 @@ def _follow(t: TensorInfo, out_dim: int, out_ndim: int, out_shape: tuple[int, ..
     return Replicate()
 
 
+SCALAR_ONCE = "scalar_once_"  # kernel name prefix, + the position of the constant operand (0 or 1)
+
+
+def constant_operand(call: OpCall) -> int | None:
+    """Position of an operand among the first two arguments that is not a DTensor (a number or a
+    0-d plain tensor), else None."""
+    for i, a in enumerate(call.args[:2]):
+        if not isinstance(a, TensorInfo) and a is not None:
+            return i
+    return None
+
+
 def pointwise_rule(
-    call: OpCall, *, linearity: str | None = None, inplace: bool = False, n_outputs: int = 1
+    call: OpCall,
+    *,
+    linearity: str | None = None,
+    inplace: bool = False,
+    n_outputs: int = 1,
+    scalar_once: bool = False,
 ) -> Decision:
     """``linearity`` says how a ``Partial`` input may flow through the op without reduction:
     ``"add"`` (linear in all inputs jointly: every input becomes Partial), ``"mul"`` (linear in any
-    one input while the others are Replicate), ``"div"`` (linear in the first input only),
-    ``None`` (not linear: Partial inputs are reduced first)."""
+    one input while the others are Replicate), ``"div"`` (linear in the first argument only),
+    ``None`` (not linear: Partial inputs are reduced first).  ``scalar_once``: the platform has the
+    ``scalar_once_<pos>`` kernels, so an ``"add"`` with a constant operand keeps ``Partial("sum")``."""
+    if linearity == "div" and not isinstance(call.args[0], TensorInfo):
+        linearity = None  # c / x is not linear in x
+    const = constant_operand(call) if linearity == "add" else None
+    dec = _pointwise(call, linearity, inplace, n_outputs, const is not None and not scalar_once)
+    if const is not None and any(
+        isinstance(p, Partial) and p.reduce_op == "sum" for p in dec.outputs[0] or ()
+    ):
+        return Decision(dec.inputs, dec.outputs, kernel=f"{SCALAR_ONCE}{const}")
+    return dec
+
+
+def _pointwise(
+    call: OpCall, linearity: str | None, inplace: bool, n_outputs: int, no_partial_sum: bool
+) -> Decision:
     infos = call.tensors()
     out_shape = _out_shape(infos)
     out_ndim = len(out_shape)
@@ -52,7 +89,9 @@ def pointwise_rule(
             if isinstance(self_p, Replicate):
                 return [Replicate() for _ in infos], [Replicate()] * n_outputs
             assert isinstance(self_p, Partial)
-            req = _partial_inputs(cur, linearity, self_p, force_first=True)
+            req = None if no_partial_sum and self_p.reduce_op == "sum" else _partial_inputs(
+                cur, linearity, self_p, force_first=True
+            )
             if req is None:
                 raise ValueError(
                     f"in-place {call.name} on a {self_p!r} tensor cannot be computed without reducing it "
@@ -66,7 +105,7 @@ def pointwise_rule(
                 od = p.dim + (out_ndim - t.ndim)
                 cands.append(([_follow(u, od, out_ndim, out_shape) for u in infos], [Shard(od)] * n_outputs))
         partials = [p for p in cur if isinstance(p, Partial)]
-        if partials:
+        if partials and not (no_partial_sum and partials[0].reduce_op == "sum"):
             req = _partial_inputs(cur, linearity, partials[0], force_first=False)
             if req is not None:
                 cands.append((req, [partials[0]] * n_outputs))

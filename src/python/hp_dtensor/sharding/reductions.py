@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 _PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
@@ -24,9 +25,11 @@ def reduction_rule(
     red = set(range(t.ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims}
     req: list[Placement] = []
     out: list[Placement] = []
+    even = is_even(t.shape, call.mesh_shape, t.placements)
     for p in t.placements:
         if isinstance(p, Shard) and p.dim in red:
-            if kind in _PARTIAL_OF:
+            # A mean of unequal shards is not the mean of the shard means: gather those.
+            if kind in _PARTIAL_OF and (even or kind != "mean"):
                 req.append(p)
                 out.append(Partial(_PARTIAL_OF[kind]))  # type: ignore[arg-type]
             else:
@@ -46,3 +49,49 @@ def reduction_rule(
             req.append(p)
             out.append(p)
     return Decision((tuple(req),), tuple(tuple(out) for _ in range(n_outputs)))
+
+
+def _reduced(t: TensorInfo, dims: Sequence[int] | None) -> set[int]:
+    ndim = max(t.ndim, 1)
+    return set(range(t.ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims}
+
+
+def gathered_reduction_rule(call: OpCall, dims: Sequence[int] | None, keepdim: bool, n_outputs: int = 1) -> Decision:
+    """A reduction that is not a sum of per-rank parts (``var``, ``std``): reduced dims are
+    gathered and Partial inputs reduced first; shards on kept dims move with the dim."""
+    t: TensorInfo = call.args[0]
+    red = _reduced(t, dims)
+    req: list[Placement] = []
+    out: list[Placement] = []
+    for p in t.placements:
+        if isinstance(p, Shard) and p.dim not in red:
+            req.append(p)
+            out.append(p if keepdim else Shard(p.dim - sum(d < p.dim for d in red)))
+        else:
+            req.append(Replicate())
+            out.append(Replicate())
+    return Decision((tuple(req),), tuple(tuple(out) for _ in range(n_outputs)))
+
+
+def vector_norm_rule(call: OpCall, ord_: float, dims: Sequence[int] | None, keepdim: bool) -> Decision:
+    """``linalg_vector_norm``: with a finite ``ord`` each rank sums ``|x|^ord`` over its part of
+    a sharded reduced dim and the platform's ``vector_norm`` kernel all-reduces those sums before
+    the root (one small all_reduce, no gather).  ``ord=±inf`` gathers the reduced dims."""
+    if ord_ in (float("inf"), float("-inf")):
+        return gathered_reduction_rule(call, dims, keepdim)
+    t: TensorInfo = call.args[0]
+    red = _reduced(t, dims)
+    req: list[Placement] = []
+    out: list[Placement] = []
+    for p in t.placements:
+        if isinstance(p, Shard) and p.dim in red:
+            req.append(p)
+            out.append(Replicate())  # the kernel all-reduces over this mesh dim
+        elif isinstance(p, Shard):
+            req.append(p)
+            out.append(p if keepdim else Shard(p.dim - sum(d < p.dim for d in red)))
+        else:
+            req.append(Replicate())
+            out.append(Replicate())
+    kernel = "vector_norm" if any(isinstance(p, Shard) and p.dim in red for p in req) else None
+    return Decision((tuple(req),), (tuple(out),), kernel=kernel)

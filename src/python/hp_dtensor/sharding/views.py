@@ -64,7 +64,9 @@ def reshape_placements(
         if isinstance(p, Shard):
             g = next(g for g in groups if p.dim in g[0])
             ins, outs = g
-            if outs and p.dim == ins[0] and dst_shape[outs[0]] % mesh_shape[k] == 0 and not any(
+            if outs and p.dim == ins[0] and dst_shape[outs[0]] % mesh_shape[k] == 0 and src_shape[p.dim] % mesh_shape[
+                k
+            ] == 0 and not any(
                 isinstance(q, Shard) and q.dim == p.dim for q in placements[:k]
             ):
                 req.append(p)
@@ -84,7 +86,7 @@ def view_rule(call: OpCall, size_arg: int = 1) -> Decision:
     dst = infer_size(call.args[size_arg], t.numel)
     req, out = reshape_placements(t.shape, dst, t.placements, call.mesh_shape)
     args = list(call.args)
-    args[size_arg] = list(local_shape(dst, call.mesh_shape, out))
+    args[size_arg] = list(local_shape(dst, call.mesh_shape, out, call.coordinate))
     return Decision((req,), (out,), args=tuple(args))
 
 
@@ -146,7 +148,7 @@ def expand_rule(call: OpCall) -> Decision:
             req.append(p)
             out.append(p)
     args = list(call.args)
-    args[1] = list(local_shape(glob, call.mesh_shape, out))
+    args[1] = list(local_shape(glob, call.mesh_shape, out, call.coordinate))
     return Decision((tuple(req),), (tuple(out),), args=tuple(args))
 
 

@@ -19,7 +19,7 @@ from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import even_placements, global_shape
+from hp_dtensor.shard_geometry import even_placements, global_shape, is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
 from hp_dtensor.sharding.uneven import uneven_pointwise_rule
 
@@ -28,7 +28,8 @@ aten = torch.ops.aten
 _TABLE = OpTable()
 RULES = _TABLE.rules
 KERNELS = _TABLE.kernels
-_cache: dict[Any, tuple[Decision, bool]] = {}
+# (decision, is_fallback, global output shapes or None where the wrap may infer them from even shards)
+_cache: dict[Any, tuple[Decision, bool, list[tuple[int, ...]] | None]] = {}
 _warned: set[str] = set()
 _CACHE_LIMIT = 16384
 
@@ -76,12 +77,15 @@ class _SimpleSpec:
     unflatten without pytree's generic (and slower) machinery.  ``shape`` holds, per argument,
     None for a leaf or (type, length) for a list/tuple of leaves."""
 
-    __slots__ = ("arg_shape", "keys", "kw_shape")
+    __slots__ = ("arg_shape", "keys", "kw_shape", "key")
 
     def __init__(self, arg_shape: tuple[Any, ...], keys: tuple[str, ...], kw_shape: tuple[Any, ...]) -> None:
         self.arg_shape = arg_shape
         self.keys = keys
         self.kw_shape = kw_shape
+        # The structure goes into the decision cache key: sum(x, [0, 1]) and sum(x, 0, 1) flatten
+        # to the same leaves.
+        self.key = (arg_shape, keys, kw_shape)
 
     @staticmethod
     def _take(flat: list[Any], pos: int, shape: tuple[Any, ...]) -> tuple[list[Any], int]:
@@ -149,7 +153,9 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     flat, treespec = _flatten(args, kwargs)
     mesh = None
     has_plain = False
-    key_parts: list[Any] = [func]
+    # The key is structural (the argument tree) and type-exact (True, 1 and 1.0 are equal and hash
+    # alike in Python but ask for different things: keepdim=True is not dim=1).
+    key_parts: list[Any] = [func, treespec.key if type(treespec) is _SimpleSpec else treespec]
     for leaf in flat:
         if isinstance(leaf, DTensor):
             spec = leaf._spec
@@ -159,7 +165,7 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
             key_parts.append(spec)
         elif isinstance(leaf, torch.Tensor):
-            if leaf.ndim != 0 and not _in_backward():
+            if leaf.ndim != 0 and not _in_backward() and not _is_one_hot_classes(func, args, leaf):
                 raise RuntimeError(
                     f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
                     f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
@@ -170,7 +176,8 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             else:
                 key_parts.append("scalar-tensor")
         else:
-            key_parts.append(leaf)
+            cls = leaf.__class__
+            key_parts.append(leaf if cls is int else (cls, leaf))
     assert mesh is not None
     if has_plain:
         flat = _as_dtensors(flat, mesh)
@@ -185,8 +192,20 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             if len(_cache) > _CACHE_LIMIT:
                 _cache.clear()
             _cache[key] = cached
-    decision, is_fallback = cached
-    return _run(func, flat, treespec, mesh, decision, is_fallback, args)
+    decision, is_fallback, out_shapes = cached
+    return _run(func, flat, treespec, mesh, decision, is_fallback, args, out_shapes)
+
+
+def _is_one_hot_classes(func: Any, args: tuple[Any, ...], leaf: torch.Tensor) -> bool:
+    """``F.one_hot`` on a tensor subclass decomposes into ``x.unsqueeze(-1) == arange(classes)``
+    with a plain 1-D ``arange`` the same on every rank: that one comparison takes it as Replicate."""
+    return (
+        func is aten.eq.Tensor
+        and leaf.ndim == 1
+        and args[1] is leaf
+        and isinstance(args[0], DTensor)
+        and args[0]._spec.shape[-1:] == (1,)
+    )
 
 
 def _in_backward() -> bool:
@@ -205,7 +224,45 @@ def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
     ]
 
 
-def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
+def _decide(
+    func: Any, flat: list[Any], treespec: Any, mesh: Any
+) -> tuple[Decision, bool, list[tuple[int, ...]] | None]:
+    decision, is_fallback = _decide_placements(func, flat, treespec, mesh)
+    if not any(decision.outputs):  # a Python value (equal, item): no shape to wrap
+        return decision, is_fallback, None
+    return decision, is_fallback, _output_shapes(func, flat, treespec, mesh)
+
+
+def _output_shapes(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> list[tuple[int, ...]] | None:
+    """Global output shapes, from the op run once on meta tensors of the global shapes (cached with
+    the decision): with an uneven shard, in or out, local shapes differ by rank and cannot be
+    scaled up.  None where meta cannot run the op (data-dependent outputs, Python values) and
+    every input is even: the wrap then scales local shapes up."""
+    metas = [
+        torch.empty(leaf._spec.shape, dtype=leaf.dtype, device="meta")
+        if isinstance(leaf, DTensor)
+        else leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf
+        for leaf in flat
+    ]
+    m_args, m_kwargs = _unflatten(metas, treespec)
+    try:
+        with torch.no_grad():
+            out = func(*m_args, **m_kwargs)
+    except Exception as e:  # no meta kernel, or data-dependent: refuse rather than guess
+        if all(
+            is_even(leaf._spec.shape, mesh.shape, leaf._spec.placements)
+            for leaf in flat
+            if isinstance(leaf, DTensor)
+        ):
+            return None
+        raise NotImplementedError(
+            f"{func} on unevenly sharded inputs: cannot infer its global output shape ({e}); "
+            f"redistribute the inputs to an even layout (or Replicate) first"
+        ) from e
+    return [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _decide_placements(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
     # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
     # nearest even layout (uneven Shards replicated) and redistributed to it before the op.
     infos = [
@@ -213,7 +270,7 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
         if isinstance(leaf, DTensor) else leaf for leaf in flat
     ]
     args, kwargs = _unflatten(infos, treespec)
-    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs))
+    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs), mesh.get_coordinate())
     rule = _find_rule(func)
     if rule is None:
         if str(func) not in _warned:
@@ -231,7 +288,9 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
         r_args, r_kwargs = _unflatten(real, treespec)
         inplace = str(func).split(".")[1].endswith("_")
         kept = uneven_pointwise_rule(
-            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs)), n_outputs=n_pointwise, inplace=inplace
+            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs), mesh.get_coordinate()),
+            n_outputs=n_pointwise,
+            inplace=inplace,
         )
         if kept is not None:
             return kept, False
@@ -244,7 +303,14 @@ def _decide(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decis
 
 
 def _run(
-    func: Any, flat: list[Any], treespec: Any, mesh: Any, decision: Decision, is_fallback: bool, args: Any
+    func: Any,
+    flat: list[Any],
+    treespec: Any,
+    mesh: Any,
+    decision: Decision,
+    is_fallback: bool,
+    args: Any,
+    out_shapes: list[tuple[int, ...]] | None = None,
 ) -> Any:
     inplace = _is_inplace(func)
     locals_: list[Any] = []
@@ -257,7 +323,10 @@ def _run(
             target = decision.inputs[i]
             local = leaf._local_tensor
             if target is not None and target != spec.placements:
-                local = redistribute_local(local, mesh, spec.shape, spec.placements, target)
+                # A redistributed shard is fresh data laid out however the collective left it (an
+                # all_gather on a later dim gives a strided view), while composite ops chose views
+                # and kernels from the wrapper's strides: hand the local op a contiguous tensor.
+                local = redistribute_local(local, mesh, spec.shape, spec.placements, target).contiguous()
                 if i == 0 and inplace:
                     self_redistributed = True
             locals_.append(local)
@@ -281,7 +350,7 @@ def _run(
         if decision.kwargs is not None:
             local_kwargs = map_leaves(fill, decision.kwargs)
     if decision.kernel is not None:
-        out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
+        out = KERNELS[decision.kernel](mesh, decision, func, *local_args, **local_kwargs)
     else:
         out = func(*local_args, **local_kwargs)
     if inplace:
@@ -297,26 +366,29 @@ def _run(
             new_local = redistribute_local(out, mesh, spec.shape, rep, spec.placements)
             self_dt._local_tensor.copy_(new_local)
         return self_dt
-    return _wrap(out, mesh, decision)
+    return _wrap(out, mesh, decision, out_shapes)
 
 
-def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
+def _wrap(out: Any, mesh: Any, decision: Decision, out_shapes: list[tuple[int, ...]] | None = None) -> Any:
     if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
         pl = decision.outputs[0]
-        return DTensor(out, DTensorSpec(mesh, pl, decision.out_shape or global_shape(out.shape, mesh.shape, pl)))
+        shape = out_shapes[0] if out_shapes else global_shape(out.shape, mesh.shape, pl)
+        return DTensor(out, DTensorSpec(mesh, pl, shape))
     flat, spec = pytree.tree_flatten(out)
     res = []
     j = 0
+    ti = 0  # index among tensor outputs (what out_shapes lists)
     outs = decision.outputs
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
             leaf_pl = outs[min(j, len(outs) - 1)] if outs else None
             j += 1
+            ti += 1
             if leaf_pl is None:
                 res.append(leaf)
                 continue
-            gs = decision.out_shape or global_shape(leaf.shape, mesh.shape, leaf_pl)
-            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, gs)))
+            shape = out_shapes[ti - 1] if out_shapes else global_shape(leaf.shape, mesh.shape, leaf_pl)
+            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, shape)))
         else:
             if leaf is None:
                 j += 1

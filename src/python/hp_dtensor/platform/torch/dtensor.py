@@ -27,6 +27,7 @@ from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, nor
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
+from hp_dtensor.sharding.strides import global_strides
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -47,7 +48,7 @@ class DTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             spec.shape,
-            strides=_contiguous_strides(spec.shape),
+            strides=global_strides(local_tensor.stride(), spec.mesh.shape, spec.placements),
             dtype=local_tensor.dtype,
             device=local_tensor.device,
             layout=local_tensor.layout,
