@@ -16,6 +16,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
 from hp_dtensor.platform import current as _platform
+from hp_tp import tied
 
 Layouts = Placement | Sequence[Placement | None] | None
 
@@ -49,7 +50,13 @@ def _distribute_params(module: Any, mesh: DeviceMesh, style: ParallelStyle, plac
         if param is None or isinstance(param, plat.DTensor):
             continue
         pl = placement_of.get(name, default)
+        holder = f"{type(module).__name__}.{name}"
+        shared = tied.already_split(param, mesh, pl, holder)
+        if shared is not None:
+            plat.share_param(module, name, shared)
+            continue
         plat.set_param(module, name, plat.distribute_tensor(param.data, mesh, [pl], src_data_rank=style._src_for(param)))
+        tied.record_split(param, dict(plat.direct_params(module))[name], mesh, pl, holder)
 
 
 def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement) -> Any:

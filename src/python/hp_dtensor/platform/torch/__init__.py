@@ -24,6 +24,7 @@ from hp_dtensor.platform.torch.modules import (
     register_forward_pre_hook,
     set_buffer,
     set_param,
+    share_param,
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
@@ -49,7 +50,7 @@ def set_num_threads(n: int) -> None:
 __all__ = [
     "NAME", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
-    "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param",
+    "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads",
 ]
