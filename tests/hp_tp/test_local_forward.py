@@ -166,3 +166,47 @@ def test_embeddings_match_and_fail_on_bad_ids(pool2: RankPool) -> None:
         assert res["rowwise"]["fwd"] == {"all_reduce": 1} and res["colwise"]["fwd"] == {}
         for case in res.values():
             assert case["bad"].startswith("index out of range"), case
+
+
+def _norms(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from hp_dtensor import CommDebugMode, Partial, init_device_mesh
+    from hp_tp import SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, ref, seq_dim in [("layernorm", nn.LayerNorm(8, dtype=torch.float64), 1),
+                               ("rmsnorm", nn.RMSNorm(8, dtype=torch.float64), 1),
+                               ("layernorm_on_normalized_dim", nn.LayerNorm(8, dtype=torch.float64), 2)]:
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(torch.randn_like(p))
+        model = parallelize_module(copy.deepcopy(ref), mesh, SequenceParallel(sequence_dim=seq_dim))
+        x = torch.randn(2, 4, 8, dtype=torch.float64)
+        xr = x.clone().requires_grad_(True)
+        xl = x.chunk(world, seq_dim)[rank].clone().requires_grad_(True)
+        with CommDebugMode() as fwd, _Counting() as ops:
+            y = model(xl)
+        g = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        (y.full_tensor() * g).sum().backward()
+        r = ref(xr)
+        (r * g).sum().backward()
+        torch.testing.assert_close(y.full_tensor(), r)
+        torch.testing.assert_close(xl.grad, xr.grad.chunk(world, seq_dim)[rank])
+        partial = True
+        for (pn, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=pn)
+            partial = partial and p.grad.placements == (Partial(),)
+        out[name] = {"fwd": fwd.get_comm_counts(), "ops": len(ops.ops), "partial_grads": partial}
+    return out
+
+
+def test_sequence_parallel_norms_run_locally(pool2: RankPool) -> None:
+    for res in pool2.run(_norms):
+        for name in ("layernorm", "rmsnorm"):
+            assert res[name] == {"fwd": {}, "ops": 0, "partial_grads": True}, (name, res[name])
+        # sharding the normalized dim is not token-wise: the DTensor forward runs (and is right)
+        assert res["layernorm_on_normalized_dim"]["ops"] > 0

@@ -98,3 +98,30 @@ def install_rowwise(module: Any, mesh: DeviceMesh) -> None:
 
 def _sharded_last(placements: tuple[Placement, ...], ndim: int) -> bool:
     return len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim % ndim == ndim - 1
+
+
+def install_sequence_parallel(module: Any, mesh: DeviceMesh, sequence_dim: int) -> None:
+    """A token-wise module (a norm) on a sequence shard: run it on the local shard with its
+    replicated parameters' local values (their gradient, from this rank's tokens only, is a
+    partial sum), and return the shard as ``Shard(sequence_dim)``.  No collective."""
+    k = _kernels()
+    if k is None or not k.is_tokenwise_module(module):
+        return
+    plat = _platform()
+    fallback = _dtensor_forward(module)
+    reduced = k.normalized_ndim(module)  # the sharded dim must not be one the module reduces over
+
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (isinstance(x, plat.DTensor) and len(x.placements) == 1 and isinstance(x.placements[0], Shard)
+                and x.placements[0].dim % x.ndim == sequence_dim % x.ndim
+                and sequence_dim % x.ndim < x.ndim - reduced):
+            return fallback(x, *args, **kwargs)
+        params = {
+            name: p.to_local(grad_placements=[Partial()])
+            for name, p in plat.direct_params(module)
+            if p is not None
+        }
+        y = k.run_with_params(module, fallback, params, x.to_local(), *args, **kwargs)
+        return plat.DTensor.from_local(y, mesh, [x.placements[0]], run_check=False)
+
+    k.set_forward(module, forward)

@@ -270,7 +270,9 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         # No partition_fn: distribute_module replicates every parameter.
-        return distribute_module(module, device_mesh, None, self._prepare, self._output)
+        distribute_module(module, device_mesh, None, self._prepare, self._output)
+        local_forward.install_sequence_parallel(module, device_mesh, self.sequence_dim)
+        return module
 
     def __repr__(self) -> str:
         return f"SequenceParallel(sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})"

@@ -65,3 +65,28 @@ def vocab_slice_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int,
     local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
     out = F.embedding((ids - start).masked_fill(outside, 0), weight, local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def is_tokenwise_module(m: Any) -> bool:
+    """A module whose forward acts on each position on its own and draws no random numbers, so
+    it can run on a sequence shard: torch's LayerNorm and RMSNorm, or a class that declares
+    ``hp_tokenwise = True``."""
+    return type(m) in (nn.LayerNorm, nn.RMSNorm) or getattr(type(m), "hp_tokenwise", False) is True
+
+
+def run_with_params(m: nn.Module, forward: Callable[..., Any], params: dict[str, torch.Tensor],
+                    *args: Any, **kwargs: Any) -> Any:
+    """Call ``forward`` with ``m``'s own parameters replaced by ``params`` for the call only."""
+    saved = {name: m._parameters[name] for name in params}
+    try:
+        for name, value in params.items():
+            m._parameters[name] = value  # type: ignore[assignment]
+        return forward(*args, **kwargs)
+    finally:
+        m._parameters.update(saved)
+
+
+def normalized_ndim(m: Any) -> int:
+    """How many trailing dims a token-wise module reduces over (a shard must not split them)."""
+    shape = getattr(m, "normalized_shape", None)
+    return len(shape) if isinstance(shape, (tuple, list)) else 1
