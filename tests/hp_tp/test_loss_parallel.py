@@ -97,12 +97,12 @@ def _run_cases(rank: int, world: int, n: int) -> dict[str, Any]:
         bwd_counts.add(tuple(sorted(bwd.get_comm_counts().items())))
         msg = f"case {seed}: {c}"
         torch.testing.assert_close(loss.full_tensor(), ref, rtol=1e-10, atol=1e-12, equal_nan=True,
-                                   msg=lambda m: f"{msg}: {m}")
+                                   msg=lambda m, msg=msg: f"{msg}: {m}")
         got = leaf.grad.full_tensor()
         if leaf is not dx:
             got = got.transpose(0, cdim)
         torch.testing.assert_close(got, ref_x.grad, rtol=1e-10, atol=1e-12, equal_nan=True,
-                                   msg=lambda m: f"{msg}: {m}")
+                                   msg=lambda m, msg=msg: f"{msg}: {m}")
     return {"fwd": sorted(fwd_counts), "bwd": sorted(bwd_counts), "kinds": kinds, "cases": n}
 
 

@@ -85,8 +85,8 @@ def check_cross_entropy(
         hint = ""
         if ndim >= 3 and isinstance(placement, Shard) and placement.dim % ndim == ndim - 1:
             hint = (
-                f"; cross_entropy reads classes from dim 1, so for (batch, seq, vocab) logits pass "
-                f"logits.flatten(0, -2) with target.flatten(), or logits.movedim(-1, 1)"
+                "; cross_entropy reads classes from dim 1, so for (batch, seq, vocab) logits pass "
+                "logits.flatten(0, -2) with target.flatten(), or logits.movedim(-1, 1)"
             )
         raise ValueError(
             f"loss_parallel: cross_entropy needs logits sharded on the class dim (dim {cdim} of shape "

@@ -1,9 +1,9 @@
 """The torch backend of the platform layer."""
 
+from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
-from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 from hp_dtensor.platform.torch.modules import (
     Module,

@@ -127,6 +127,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sums = C.all_reduce(torch.cat([exp.sum(cdim, keepdim=True), picked, smooth], cdim), "sum", group, n)
             sum_exp, picked, smooth = sums.unbind(cdim)
             lse = sum_exp.log()
+            w_total: float | torch.Tensor
             if weight is None:
                 w_t, w_total = valid.to(x.dtype), float(nc)
             else:
