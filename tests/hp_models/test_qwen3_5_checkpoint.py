@@ -113,6 +113,9 @@ def _reads_only_its_slice(rank: int, world: int, folder: str) -> tuple[int, int]
             sl = self.h.get_slice(name)
 
             class S:
+                def __getattr__(self, name: str) -> Any:  # get_shape / get_dtype read no data
+                    return getattr(sl, name)
+
                 def __getitem__(self, idx: Any) -> Any:
                     t = sl[idx]
                     read[0] += t.numel() * t.element_size()

@@ -8,6 +8,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, get_current_mesh
 from hp_dtensor.platform import current as _platform
+from hp_tp import tied
 from hp_tp.style import ParallelStyle
 
 
@@ -69,7 +70,29 @@ def parallelize_module(
                 f"parallelize_plan key {path!r} matched no submodule of {type(module).__name__}; it is skipped",
                 stacklevel=2,
             )
+    _check_ties_intact(module)
     return module
+
+
+def _check_ties_intact(module: Any) -> None:
+    """Warn when a parameter tied to one a style split is still held unsplit somewhere."""
+    plat = _platform()
+    held = [
+        (f"{prefix}.{name}" if prefix else name, p)
+        for prefix, m in plat.named_modules(module)
+        for name, p in plat.direct_params(m)
+        if p is not None and not isinstance(p, plat.DTensor)
+    ]
+    broken = tied.unsplit_ties(held)
+    if broken:
+        # A warning, not an error: a later parallelize_module call may still split that holder
+        # (it then reuses the same DTensor parameter and the tie holds).
+        warnings.warn(
+            f"parallelize_module split a tied parameter but {', '.join(broken)} still holds the unsplit "
+            f"original, which would train apart from its partner unless a later parallelize_module call "
+            f"splits it the same way",
+            stacklevel=3,
+        )
 
 
 def _apply_path(module: Any, atoms: list[str], style: ParallelStyle, mesh: DeviceMesh,

@@ -9,6 +9,7 @@ and MindSpore.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -16,6 +17,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
 from hp_dtensor.platform import current as _platform
+from hp_tp import local_forward, tied
 
 Layouts = Placement | Sequence[Placement | None] | None
 
@@ -49,16 +51,52 @@ def _distribute_params(module: Any, mesh: DeviceMesh, style: ParallelStyle, plac
         if param is None or isinstance(param, plat.DTensor):
             continue
         pl = placement_of.get(name, default)
+        holder = f"{type(module).__name__}.{name}"
+        shared = tied.already_split(param, mesh, pl, holder)
+        if shared is not None:
+            plat.share_param(module, name, shared)
+            continue
         plat.set_param(module, name, plat.distribute_tensor(param.data, mesh, [pl], src_data_rank=style._src_for(param)))
+        tied.record_split(param, dict(plat.direct_params(module))[name], mesh, pl, holder)
 
 
 def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement) -> Any:
     plat = _plat()
     if not isinstance(x, plat.DTensor):
-        x = plat.DTensor.from_local(x, mesh, [layout], run_check=False)
+        return _annotate(x, mesh, layout, desired)
     if x.placements != (desired,):
         x = x.redistribute(mesh, [desired])
     return x
+
+
+class _LastAnnotated:
+    """The DTensor the last plain input was turned into, reused when the next styled layer gets
+    the same tensor with the same layouts (q/k/v or gate/up projections of one input): like a
+    hand-written layer, the input is gathered once and its gradient reduced once, instead of once
+    per consumer.  Only the last input is kept, checked by identity and in-place version."""
+
+    ref: Any = None
+    key: tuple[Any, ...] = ()
+    value: Any = None
+
+
+def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement) -> Any:
+    plat = _plat()
+    k = getattr(plat, "local_layers", None)
+    key: tuple[Any, ...] = ()
+    if k is not None:
+        key = (mesh, layout, desired, k.version(x), k.grad_enabled(), x.requires_grad)
+        if _LastAnnotated.ref is not None and _LastAnnotated.ref() is x and _LastAnnotated.key == key:
+            return _LastAnnotated.value
+    dt = plat.DTensor.from_local(x, mesh, [layout], run_check=False)
+    if dt.placements != (desired,):
+        dt = dt.redistribute(mesh, [desired])
+    if k is not None:
+        try:
+            _LastAnnotated.ref, _LastAnnotated.key, _LastAnnotated.value = weakref.ref(x), key, dt
+        except TypeError:
+            _LastAnnotated.ref = None
+    return dt
 
 
 def _prepare_first_input(layout: Placement, desired: Placement, module: Any, inputs: tuple[Any, ...],
@@ -120,13 +158,15 @@ class ColwiseParallel(ParallelStyle):
             raise NotImplementedError(
                 f"ColwiseParallel currently only supports Linear and Embedding modules, got {type(module).__name__}"
             )
-        return distribute_module(
+        distribute_module(
             module,
             device_mesh,
             lambda n, m, mesh: self._partition(n, m, mesh) if m is module else None,
             partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0]),
             partial(_finish_output, self.output_layouts[0], self.use_local_output, None),
         )
+        local_forward.install_colwise(module, device_mesh)
+        return module
 
     def __repr__(self) -> str:
         return (f"ColwiseParallel(input_layouts={self.input_layouts[0]!r}, output_layouts={self.output_layouts[0]!r}, "
@@ -184,13 +224,15 @@ class RowwiseParallel(ParallelStyle):
             raise NotImplementedError(
                 f"RowwiseParallel currently only supports Linear and Embedding modules, got {type(module).__name__}"
             )
-        return distribute_module(
+        distribute_module(
             module,
             device_mesh,
             lambda n, m, mesh: _distribute_params(m, mesh, self, placement_of, default) if m is module else None,
             partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0]),
             self._output,
         )
+        local_forward.install_rowwise(module, device_mesh)
+        return module
 
     def __repr__(self) -> str:
         return (f"RowwiseParallel(input_layouts={self.input_layouts[0]!r}, output_layouts={self.output_layouts[0]!r}, "
@@ -228,7 +270,9 @@ class SequenceParallel(ParallelStyle):
 
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         # No partition_fn: distribute_module replicates every parameter.
-        return distribute_module(module, device_mesh, None, self._prepare, self._output)
+        distribute_module(module, device_mesh, None, self._prepare, self._output)
+        local_forward.install_sequence_parallel(module, device_mesh, self.sequence_dim)
+        return module
 
     def __repr__(self) -> str:
         return f"SequenceParallel(sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})"

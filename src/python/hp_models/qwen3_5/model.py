@@ -35,6 +35,8 @@ def local(t: Any, *, partial_grad: bool = False) -> torch.Tensor:
 class RMSNorm(Module):
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)``, computed in fp32."""
 
+    hp_tokenwise = True  # per token, no randomness: SequenceParallel runs it on the local shard
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

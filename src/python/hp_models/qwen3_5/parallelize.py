@@ -56,8 +56,6 @@ def parallelize_qwen3_5_tp(
     config: Qwen3_5Config = model.config
     tp = tp_mesh.size()
     check_tp_size(config, tp)
-    if config.tie_word_embeddings and loss_parallel:
-        raise ValueError("tied embeddings cannot be split both by vocab rows and columns; use loss_parallel=False")
     seq = Shard(1) if sequence_parallel else Replicate()
 
     def norm() -> ParallelStyle:
@@ -75,6 +73,14 @@ def parallelize_qwen3_5_tp(
         ),
     }
     parallelize_module(model, tp_mesh, top)
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        # Both styles split the vocab rows (Shard(0)), so the tie is kept as one DTensor parameter;
+        # a model whose tie was already broken before this call is refused rather than trained apart.
+        raise ValueError(
+            "tie_word_embeddings=True but lm_head.weight is not model.embed_tokens.weight after "
+            "parallelize_qwen3_5_tp; re-tie them (model.lm_head.weight = model.model.embed_tokens.weight) "
+            "before parallelizing"
+        )
     for layer in model.model.layers:
         plan: dict[str, ParallelStyle] = {
             "input_layernorm": norm(),

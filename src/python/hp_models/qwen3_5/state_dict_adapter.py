@@ -19,6 +19,11 @@ from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_protocols import BaseStateDictAdapter
 
 _PREFIXES = ("model.language_model.", "model.")
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _QKV = ("q", "k", "v")
 
 
@@ -78,9 +83,16 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
         return out
 
     # ----- sharded loading -----
-    def load_into(self, model: Any, path: str) -> list[str]:
+    def load_into(self, model: Any, path: str, *, allow_dtype_cast: bool = False) -> list[str]:
         """Copy the checkpoint in ``path`` into ``model`` in place, reading from disk only the slice
-        of each tensor this rank holds.  Returns the HF names read (for checks)."""
+        of each tensor this rank holds.  Returns the HF names read (for checks).
+
+        Every checkpoint tensor's *global* shape and dtype are checked against the model before
+        anything is read, so a checkpoint of another size (say intermediate 768 into a model of
+        512) is refused naming the tensor instead of loading a corner of it.  A dtype other than
+        the model's is refused too unless ``allow_dtype_cast=True`` (e.g. a bf16 checkpoint into
+        an fp32 model).  With tied embeddings ``lm_head.weight`` is the embedding parameter and is
+        read once, as ``model.embed_tokens.weight``."""
         from contextlib import ExitStack
 
         from safetensors import safe_open
@@ -93,14 +105,25 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                 handle = stack.enter_context(safe_open(f, framework="pt"))
                 for name in handle.keys():  # noqa: SIM118  (safe_open handles are not mappings)
                     where[_strip(name)] = (handle, name)
-            for key, param in model.state_dict(keep_vars=True).items():
+            params = model.state_dict(keep_vars=True)
+            if self.config.tie_word_embeddings:
+                if params.get("lm_head.weight") is not params.get("model.embed_tokens.weight"):
+                    raise ValueError(
+                        "tie_word_embeddings=True but the model's lm_head.weight is not its "
+                        "model.embed_tokens.weight (the tie was broken); re-tie them before loading"
+                    )
+                params.pop("lm_head.weight", None)
+            plan: list[tuple[str, Any, Any, str, int]] = []
+            for key, param in params.items():
                 hf_key, offset = self.hf_source(key)
-                if hf_key not in where and key == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
                 if hf_key not in where:
                     raise KeyError(f"checkpoint in {path!r} has no tensor {hf_key!r} (for {key!r})")
-                local = param._local_tensor if isinstance(param, DTensor) else param
                 handle, name = where[hf_key]
+                self._check_global(key, hf_key, param, handle.get_slice(name), allow_dtype_cast)
+                plan.append((key, param, handle, name, offset))
+            for key, param, handle, name, offset in plan:
+                hf_key = self.hf_source(key)[0]
+                local = param._local_tensor if isinstance(param, DTensor) else param
                 piece = handle.get_slice(name)[_local_index(param, offset)]
                 if hf_key.endswith("conv1d.weight"):
                     piece = piece.squeeze(1)
@@ -111,6 +134,31 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                 local.copy_(piece.to(local.dtype))
                 read.append(hf_key)
         return read
+
+    def _expected_hf_shape(self, key: str, hf_key: str, param: Any) -> tuple[int, ...]:
+        """Global shape the HF tensor ``hf_key`` must have for this model's ``key``."""
+        shape = tuple(int(n) for n in param.shape)
+        if hf_key == key:
+            return shape
+        fused_rows = sum(rows for _, rows in self._split.values())
+        if hf_key.endswith("conv1d.weight"):
+            return (fused_rows, 1, *shape[1:])
+        return (fused_rows, *shape[1:])
+
+    def _check_global(self, key: str, hf_key: str, param: Any, hf_slice: Any, allow_dtype_cast: bool) -> None:
+        found = tuple(int(n) for n in hf_slice.get_shape())
+        expected = self._expected_hf_shape(key, hf_key, param)
+        if found != expected:
+            raise ValueError(
+                f"checkpoint tensor {hf_key!r} (for {key!r}) has global shape {found}, the model expects "
+                f"{expected}; the checkpoint was saved for a different config"
+            )
+        found_dtype = _SAFETENSORS_DTYPES.get(hf_slice.get_dtype())
+        if found_dtype != param.dtype and not allow_dtype_cast:
+            raise ValueError(
+                f"checkpoint tensor {hf_key!r} (for {key!r}) has dtype {hf_slice.get_dtype()}, the model expects "
+                f"{param.dtype}; pass allow_dtype_cast=True to convert, or build the model in that dtype"
+            )
 
     def save(self, model: Any, path: str) -> None:
         """Write ``model.safetensors`` and ``config.json`` (full tensors; call on every rank, rank 0 writes)."""
@@ -155,7 +203,10 @@ def _local_index(param: Any, row_offset: int) -> tuple[slice, ...]:
         assert coord is not None
         for k, p in enumerate(param.placements):
             if isinstance(p, Shard):
+                # torch.chunk's split: the first ranks hold ceil(n / ranks) rows, later ones fewer.
+                n, ranks = shape[p.dim], param.device_mesh.size(k)
+                start = min(coord[k] * -(-n // ranks), n)
                 size = param._local_tensor.shape[p.dim]
-                index[p.dim] = slice(coord[k] * size, (coord[k] + 1) * size)
+                index[p.dim] = slice(start, start + size)
     index[0] = slice(index[0].start + row_offset, index[0].stop + row_offset)
     return tuple(index)

@@ -71,6 +71,12 @@ def set_param(m: nn.Cell, name: str, value: DTensor) -> None:
     setattr(m, name, as_parameter(value, m._params[name]))
 
 
+def share_param(m: nn.Cell, name: str, param: Any) -> None:
+    """Make ``m.<name>`` the very ``Parameter`` object ``param`` (already held by another cell),
+    so tied weights stay one parameter."""
+    setattr(m, name, param)
+
+
 def set_buffer(m: nn.Cell, name: str, value: Any) -> None:
     m._buffers[name] = value
 

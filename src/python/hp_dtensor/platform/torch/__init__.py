@@ -1,5 +1,6 @@
 """The torch backend of the platform layer."""
 
+from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
@@ -24,6 +25,7 @@ from hp_dtensor.platform.torch.modules import (
     register_forward_pre_hook,
     set_buffer,
     set_param,
+    share_param,
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
@@ -48,9 +50,9 @@ def set_num_threads(n: int) -> None:
 
 
 __all__ = [
-    "NAME", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
+    "NAME", "local_layers", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
-    "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param",
+    "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
 ]

@@ -1,9 +1,18 @@
 """Vocab-parallel cross entropy: the kernels behind ``hp_tp.loss_parallel``.
 
-Inside the context, four aten ops on class-dim-sharded DTensors are computed without gathering
-the class dim: ``_log_softmax`` (all_reduce of the row max and of the row sum of exp),
-``nll_loss_forward`` (each rank picks the targets in its vocab slice; one all_reduce of the
-per-row values), and their backwards (one all_reduce of the row sums of the gradient).
+``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) on logits sharded over the class dim is caught
+whole by a torch-function mode and computed like a hand-written vocab-parallel loss: one
+all_reduce of the row max, one all_reduce of the row sums (sum of exp, the target's logit, the
+label-smoothing sum) stacked together, and a backward that is purely local (the softmax gradient
+is folded into the loss gradient).  Its whole argument surface is supported: any ``(N, C, d1,
+...)`` or ``(C,)`` input, class-index or class-probability targets, ``weight``, ``ignore_index``,
+``label_smoothing``, every ``reduction``; arguments are checked on every rank before any
+collective (``hp_dtensor.loss_parallel_rules``).
+
+Separate ``log_softmax`` + ``nll_loss`` calls go through four aten kernels instead:
+``_log_softmax`` (all_reduce of the row max and of the row sum of exp), ``nll_loss_forward``
+(each rank picks the targets in its vocab slice; one all_reduce of the per-row values), and their
+backwards (one all_reduce of the row sums of the gradient).
 """
 
 from __future__ import annotations
@@ -14,7 +23,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
+from hp_dtensor import loss_parallel_rules as rules
 from hp_dtensor.placement_types import Replicate, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
@@ -31,9 +43,153 @@ def enabled() -> bool:
 def loss_parallel() -> Iterator[None]:
     _state.depth = getattr(_state, "depth", 0) + 1
     try:
-        yield
+        with _CrossEntropyMode():
+            yield
     finally:
         _state.depth -= 1
+
+
+class _CrossEntropyMode(TorchFunctionMode):
+    """Routes ``F.cross_entropy`` on a class-sharded DTensor to the fused kernel; every other
+    call runs unchanged."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and args and isinstance(args[0], DTensor):
+            return _cross_entropy(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _cross_entropy(input: DTensor, target: Any, weight: Any = None, size_average: Any = None,
+                   ignore_index: int = -100, reduce: Any = None, reduction: str = "mean",
+                   label_smoothing: float = 0.0) -> DTensor:
+    if size_average is not None or reduce is not None:
+        reduction = rules.legacy_reduction(size_average, reduce)
+    mesh = input.device_mesh
+    tgt = _replicated_local(target)
+    w = _replicated_local(weight) if weight is not None else None
+    call = rules.check_cross_entropy(
+        tuple(input.shape), tuple(input.placements), tuple(tgt.shape), tgt.is_floating_point(),
+        None if w is None else tuple(w.shape), reduction, label_smoothing,
+    )
+    if (w is not None and w.requires_grad) or (tgt.is_floating_point() and tgt.requires_grad):
+        raise NotImplementedError(
+            "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
+        )
+    n_local = input._local_tensor.shape[call.class_dim]
+    start = mesh.get_local_rank(0) * -(-call.num_classes // mesh.size(0))
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        # Targets are whole on every rank, so this check gives the same answer everywhere.
+        bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= call.num_classes))
+        rules.check_target_range(int(tgt[bad].flatten()[0]) if bool(bad.any()) else None)
+    else:
+        tgt = tgt.narrow(call.class_dim, start, n_local)
+    local = input.to_local()
+    loss = _VocabParallelCrossEntropy.apply(
+        local, tgt, w, call, ignore_index, start, mesh.get_group(0), mesh.size(0)
+    )
+    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
+
+
+def _replicated_local(t: Any) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        return t.full_tensor() if any(not p.is_replicate() for p in t.placements) else t._local_tensor
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"loss_parallel: cross_entropy expects tensor target/weight, got {type(t).__name__}")
+    return t
+
+
+def _class_view(t: torch.Tensor, cdim: int, ndim: int) -> torch.Tensor:
+    """``t`` of shape (C_local,) shaped to broadcast along the class dim of an ``ndim``-D input."""
+    shape = [1] * ndim
+    shape[cdim] = t.shape[0]
+    return t.reshape(shape)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Loss on the local class slice; collectives in forward only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
+                call: rules.CrossEntropyCall, ignore_index: int, start: int, group: Any, n: int) -> torch.Tensor:
+        cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
+        n_local = x.shape[cdim]
+        w_local = None if weight is None else _class_view(weight.narrow(0, start, n_local).to(x.dtype), cdim, x.ndim)
+        row_max = C.all_reduce(x.detach().amax(cdim, keepdim=True), "max", group, n)
+        shifted = x.detach() - row_max
+        exp = shifted.exp()
+        if call.target_kind is rules.TargetKind.CLASS_INDEX:
+            valid = target != ignore_index
+            t = (target - start).unsqueeze(cdim)
+            owned = valid.unsqueeze(cdim) & (t >= 0) & (t < n_local)
+            picked = shifted.gather(cdim, t.clamp(0, n_local - 1)) * owned
+            smooth = (shifted if w_local is None else shifted * w_local).sum(cdim, keepdim=True)
+            sums = C.all_reduce(torch.cat([exp.sum(cdim, keepdim=True), picked, smooth], cdim), "sum", group, n)
+            sum_exp, picked, smooth = sums.unbind(cdim)
+            lse = sum_exp.log()
+            w_total: float | torch.Tensor
+            if weight is None:
+                w_t, w_total = valid.to(x.dtype), float(nc)
+            else:
+                w_t = weight.to(x.dtype)[target.masked_fill(~valid, 0)] * valid
+                w_total = weight.to(x.dtype).sum()
+            nll = -(picked - lse) * w_t
+            smooth_loss = -(smooth - lse * w_total) * valid
+            per = (1 - eps) * nll + (eps / nc) * smooth_loss
+            denom = w_t.sum()
+        else:
+            y = target.to(x.dtype) * (1 - eps) + eps / nc
+            wy = y if w_local is None else y * w_local
+            sums = C.all_reduce(
+                torch.cat([exp.sum(cdim, keepdim=True), (wy * shifted).sum(cdim, keepdim=True),
+                           wy.sum(cdim, keepdim=True)], cdim), "sum", group, n)
+            sum_exp, wy_x, wy_sum = sums.unbind(cdim)
+            lse = sum_exp.log()
+            per = -(wy_x - lse * wy_sum)
+            denom = torch.tensor(float(per.numel()), dtype=x.dtype)
+        if call.reduction is rules.Reduction.NONE:
+            out = per
+        elif call.reduction is rules.Reduction.SUM:
+            out = per.sum()
+        else:
+            out = per.sum() / denom
+        ctx.call, ctx.ignore_index, ctx.start, ctx.w_total = call, ignore_index, start, w_total if (
+            call.target_kind is rules.TargetKind.CLASS_INDEX) else None
+        if call.target_kind is rules.TargetKind.CLASS_INDEX:
+            ctx.save_for_backward(shifted, lse, target, w_t, w_local, denom)
+        else:
+            ctx.save_for_backward(shifted, lse, wy, wy_sum, denom)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        call = ctx.call
+        cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
+        if call.reduction is rules.Reduction.MEAN:
+            g = grad / ctx.saved_tensors[-1]
+        else:
+            g = grad
+        if call.target_kind is rules.TargetKind.CLASS_INDEX:
+            shifted, lse, target, w_t, w_local, _ = ctx.saved_tensors
+            valid = target != ctx.ignore_index
+            prob = (shifted - lse.unsqueeze(cdim)).exp()
+            n_local = shifted.shape[cdim]
+            # d loss / d x_c = (1 - eps) w_t (p_c - [c = t]) + eps / C (W p_c - w_c) on valid rows,
+            # W the sum of all class weights: local, no collective.
+            smooth_grad = prob * nc - 1.0 if w_local is None else prob * ctx.w_total - w_local
+            gx = (1 - eps) * prob * w_t.unsqueeze(cdim) + (eps / nc) * smooth_grad * valid.unsqueeze(cdim)
+            t = (target - ctx.start).unsqueeze(cdim)
+            owned = valid.unsqueeze(cdim) & (t >= 0) & (t < n_local)
+            gx = gx.scatter_add(cdim, t.clamp(0, n_local - 1), -(1 - eps) * w_t.unsqueeze(cdim) * owned)
+        else:
+            shifted, lse, wy, wy_sum, _ = ctx.saved_tensors
+            prob = (shifted - lse.unsqueeze(cdim)).exp()
+            gx = prob * wy_sum.unsqueeze(cdim) - wy
+        gx = gx * (g.unsqueeze(cdim) if g.ndim else g)
+        if call.target_kind is rules.TargetKind.CLASS_INDEX:
+            # ignored rows get exactly 0, as in torch, even when a mean over no rows divides by 0
+            gx = gx.masked_fill(~valid.unsqueeze(cdim), 0.0)
+        return gx, None, None, None, None, None, None, None
 
 
 def _class_sharded(x: Any, dim: int) -> bool:

@@ -71,6 +71,12 @@ def set_param(m: nn.Module, name: str, value: Any) -> None:
     m.register_parameter(name, nn.Parameter(value, requires_grad=requires_grad))
 
 
+def share_param(m: nn.Module, name: str, param: Any) -> None:
+    """Make ``m.<name>`` the very parameter object ``param`` (already registered elsewhere), so
+    tied weights stay one parameter: one storage, one ``.grad`` that sums both uses."""
+    m.register_parameter(name, param)
+
+
 def set_buffer(m: nn.Module, name: str, value: Any) -> None:
     m._buffers[name] = value
 

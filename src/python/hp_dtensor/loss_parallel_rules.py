@@ -1,0 +1,126 @@
+"""Argument rules of vocab-parallel ``cross_entropy``, on shapes and placements only.
+
+Both backends check a ``loss_parallel`` call here before any collective, so every rank raises the
+same error (the arguments are the same on every rank) and no rank is left waiting.  The exception
+types and messages follow ``torch.nn.functional.cross_entropy`` where it has one, so code that
+catches torch's errors keeps working; layout errors name ``loss_parallel``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hp_dtensor.placement_types import Placement, Shard
+
+
+class Reduction(enum.Enum):
+    NONE = "none"
+    MEAN = "mean"
+    SUM = "sum"
+
+
+class TargetKind(enum.Enum):
+    CLASS_INDEX = "class_index"  # integer class per element, shape = input shape without the class dim
+    PROBABILITY = "probability"  # floating class probabilities, same shape as the input
+
+
+@dataclass(frozen=True)
+class CrossEntropyCall:
+    """A checked call: where the classes are and how the loss is reduced."""
+
+    class_dim: int
+    num_classes: int
+    target_kind: TargetKind
+    reduction: Reduction
+    label_smoothing: float
+
+
+def parse_reduction(reduction: str) -> Reduction:
+    try:
+        return Reduction(reduction)
+    except ValueError:
+        raise ValueError(f"{reduction} is not a valid value for reduction") from None
+
+
+def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
+    """torch's mapping of the deprecated ``size_average`` / ``reduce`` flags."""
+    size_average = True if size_average is None else size_average
+    reduce = True if reduce is None else reduce
+    if not reduce:
+        return "none"
+    return "mean" if size_average else "sum"
+
+
+def class_dim_of(ndim: int) -> int:
+    """Classes are on dim 1 of ``(N, C, d1, ...)`` inputs and on dim 0 of an unbatched ``(C,)``."""
+    return 0 if ndim == 1 else 1
+
+
+def check_cross_entropy(
+    input_shape: Sequence[int],
+    placements: Sequence[Placement],
+    target_shape: Sequence[int],
+    target_is_floating: bool,
+    weight_shape: Sequence[int] | None,
+    reduction: str,
+    label_smoothing: float,
+) -> CrossEntropyCall:
+    """Check one call; raise the error torch raises (or a ``ValueError`` naming loss_parallel)."""
+    ndim = len(input_shape)
+    if ndim == 0:
+        raise ValueError("loss_parallel: cross_entropy needs logits with a class dim, got a 0-D tensor")
+    red = parse_reduction(reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    cdim = class_dim_of(ndim)
+    if len(placements) != 1:
+        raise ValueError(
+            f"loss_parallel supports logits on a 1-D mesh, got placements {tuple(placements)}; "
+            f"compute the loss on the tensor-parallel mesh dim only"
+        )
+    placement = placements[0]
+    if not (isinstance(placement, Shard) and placement.dim % ndim == cdim):
+        hint = ""
+        if ndim >= 3 and isinstance(placement, Shard) and placement.dim % ndim == ndim - 1:
+            hint = (
+                "; cross_entropy reads classes from dim 1, so for (batch, seq, vocab) logits pass "
+                "logits.flatten(0, -2) with target.flatten(), or logits.movedim(-1, 1)"
+            )
+        raise ValueError(
+            f"loss_parallel: cross_entropy needs logits sharded on the class dim (dim {cdim} of shape "
+            f"{tuple(input_shape)}), got placement {placement!r}{hint}"
+        )
+    num_classes = int(input_shape[cdim])
+    batch = tuple(int(n) for i, n in enumerate(input_shape) if i != cdim)
+    if target_is_floating:
+        kind = TargetKind.PROBABILITY
+        if tuple(target_shape) != tuple(input_shape):
+            raise RuntimeError(
+                f"loss_parallel: class-probability targets must have the logits' shape {tuple(input_shape)}, "
+                f"got {tuple(target_shape)}"
+            )
+    else:
+        kind = TargetKind.CLASS_INDEX
+        if tuple(target_shape) != batch:
+            if ndim >= 2 and len(target_shape) >= 1 and len(target_shape) == len(batch) == 1:
+                raise ValueError(
+                    f"Expected input batch_size ({batch[0]}) to match target batch_size ({target_shape[0]})."
+                )
+            raise RuntimeError(
+                f"loss_parallel: expected target of shape {list(batch)} for logits of shape "
+                f"{list(input_shape)} (classes on dim {cdim}), got {list(target_shape)}"
+            )
+    if weight_shape is not None and tuple(weight_shape) != (num_classes,):
+        raise RuntimeError(
+            f"weight tensor should be defined either for all {num_classes} classes or no classes but got "
+            f"weight tensor of shape: {list(weight_shape)}"
+        )
+    return CrossEntropyCall(cdim, num_classes, kind, red, float(label_smoothing))
+
+
+def check_target_range(bad_target: int | None) -> None:
+    """``bad_target``: one class index outside ``[0, C)`` that is not ``ignore_index``, or None."""
+    if bad_target is not None:
+        raise IndexError(f"Target {bad_target} is out of bounds.")
