@@ -1,6 +1,6 @@
 """Per-op overhead of hp_dtensor's DTensor against torch.distributed.tensor, same run, 2 gloo ranks.
 
-Run: ./pants run benchmarks:dtensor_overhead   (or python benchmarks/dtensor_overhead.py)
+Run: ./pants run benchmarks/dtensor_overhead.py   (or python benchmarks/dtensor_overhead.py)
 Prints microseconds per call (median of repeats) and the ratio ours/torch per row.
 """
 

@@ -5,7 +5,7 @@ torch.distributed.tensor.parallel has no style for the linear-attention layers' 
 depthwise convs and per-head parameters (its plan for this model gathers them, see the HF
 ``colwise_gather_output`` entries), so no torch column is printed for the whole model.
 
-Run: ./pants run benchmarks:qwen3_5_tp   (or python benchmarks/qwen3_5_tp.py)
+Run: ./pants run benchmarks/qwen3_5_tp.py   (or python benchmarks/qwen3_5_tp.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 torch.distributed.tensor.parallel with the same plan vs a hand-written Megatron-style MLP (local
 matmuls, one raw all_reduce in forward and one in backward).
 
-Run: ./pants run benchmarks:tp_mlp   (or python benchmarks/tp_mlp.py)
+Run: ./pants run benchmarks/tp_mlp.py   (or python benchmarks/tp_mlp.py)
 """
 
 from __future__ import annotations
