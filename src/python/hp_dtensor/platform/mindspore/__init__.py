@@ -3,15 +3,19 @@
 from typing import Any
 
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.modules import (
+    FORWARD,
     Module,
     ModuleDict,
     ModuleList,
     Parameter,
     Sequential,
+    add_child,
     direct_buffers,
     direct_params,
+    init_param_,
     is_embedding_module,
     is_linear_module,
     is_module,
@@ -19,10 +23,14 @@ from hp_dtensor.platform.mindspore.modules import (
     named_children,
     named_modules,
     numel,
+    parameters,
+    register_buffer,
     register_forward_hook,
     register_forward_pre_hook,
+    register_param,
     set_buffer,
     set_param,
+    state_dict,
     track_module_forward,
 )
 from hp_dtensor.platform.mindspore.process_group import (
@@ -58,4 +66,6 @@ __all__ = [
     "register_forward_pre_hook", "set_buffer", "set_param", "track_module_forward", "destroy",
     "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
     "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel",
+    "FORWARD", "add_child", "init_param_", "load_safetensors", "parameters", "register_buffer",
+    "register_param", "save_safetensors", "state_dict",
 ]

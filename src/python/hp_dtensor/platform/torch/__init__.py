@@ -5,11 +5,13 @@ from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetens
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 from hp_dtensor.platform.torch.modules import (
+    FORWARD,
     Module,
     ModuleDict,
     ModuleList,
     Parameter,
     Sequential,
+    add_child,
     direct_buffers,
     direct_params,
     init_param_,
@@ -20,10 +22,14 @@ from hp_dtensor.platform.torch.modules import (
     named_children,
     named_modules,
     numel,
+    parameters,
+    register_buffer,
     register_forward_hook,
     register_forward_pre_hook,
+    register_param,
     set_buffer,
     set_param,
+    state_dict,
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
@@ -52,4 +58,5 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads",
+    "FORWARD", "add_child", "parameters", "register_buffer", "register_param", "state_dict",
 ]
