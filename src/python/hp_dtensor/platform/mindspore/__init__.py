@@ -1,9 +1,8 @@
 """The MindSpore backend of the platform layer (PyNative mode; mccl on CPU, hccl on Ascend)."""
 
-from typing import Any
-
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
+from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.modules import (
     FORWARD,
@@ -50,13 +49,6 @@ NAME = "mindspore"
 
 def set_num_threads(n: int) -> None:
     """MindSpore sizes its CPU thread pool from the context; nothing to do per process."""
-
-
-def loss_parallel(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError(
-        "loss_parallel is not available on the MindSpore backend yet; gather the logits with "
-        "ColwiseParallel(use_local_output=True, output_layouts=Replicate()) and use a plain loss"
-    )
 
 
 __all__ = [
