@@ -331,7 +331,7 @@ class Sequential(Module, _plat.Sequential):  # type: ignore[misc, name-defined]
     def __init__(self, *modules: Any, config: Module.Config | None = None) -> None:
         Module.__init__(self, config)
         for i, m in enumerate(modules):
-            self.add_module(str(i), m)
+            _plat.add_child(self, str(i), m)
 
     def forward(self, x: Any) -> Any:
         for m in children_of(self):

@@ -77,8 +77,8 @@ def add_child(m: nn.Module, name: str, child: nn.Module) -> None:
 
 
 def state_dict(m: nn.Module) -> dict[str, Any]:
-    """Parameters and persistent buffers by dotted name."""
-    return dict(m.state_dict())
+    """Parameters and persistent buffers by dotted name (the objects themselves, not detached copies)."""
+    return dict(m.state_dict(keep_vars=True))
 
 
 def direct_params(m: nn.Module) -> list[tuple[str, Any]]:
