@@ -257,6 +257,10 @@ def _run(
             local_kwargs = map_leaves(fill, decision.kwargs)
     if decision.kernel is not None:
         out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
+    elif func is aten.view.default and not local_args[0].is_contiguous():
+        # The wrapper reports contiguous strides, so ``reshape`` of a transposed DTensor arrives
+        # as ``view``; its local shard may not be viewable: reshape copies exactly when it must.
+        out = local_args[0].reshape(local_args[1])
     else:
         out = func(*local_args, **local_kwargs)
     if inplace:
