@@ -1,4 +1,4 @@
-# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
+# mypy: disable-error-code="import-not-found,attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 """Module.parallelize fails closed on torch: a bad declaration anywhere in the tree raises the
 documented error before anything changes (parameters, buffers, forward, flags), even when an
 earlier module's declaration was valid; the same tree with valid declarations then parallelizes."""

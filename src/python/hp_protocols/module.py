@@ -102,6 +102,7 @@ class Module(_plat.Module, Configurable):  # type: ignore[misc, name-defined]
                 (_plat.set_param if is_param else _plat.set_buffer)(owner, leaf, dt)
             module._parallelized = True
             sc = module.sharding_config
+            assert sc is not None
             if sc.in_src_shardings or sc.in_dst_shardings or sc.out_src_shardings or sc.out_dst_shardings:
                 module._wrap_forward_with_reshard(mesh)
         return self

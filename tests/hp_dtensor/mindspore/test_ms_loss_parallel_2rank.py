@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,call-overload,union-attr"
 """loss_parallel on 2 MindSpore ranks: ``ops.cross_entropy`` / ``nn.CrossEntropyLoss`` on logits
 sharded over the vocab equal torch's ``F.cross_entropy`` in float64 on one process -- loss and the
 logits' gradient -- for every combination of weight, ignore_index, reduction, label_smoothing and
@@ -50,11 +50,29 @@ def _reference(case_id: int):
     return loss.detach().numpy(), x.grad.numpy()
 
 
+def _loss_fn(mesh, class_dim, api, t, w, reduction, smoothing, upstream):
+    from mindspore import nn, ops
+
+    from hp_dtensor import DTensor, Shard
+
+    def loss_fn(x_local):
+        x = DTensor.from_local(x_local, mesh, [Shard(class_dim)])
+        if api == "nn":
+            loss = nn.CrossEntropyLoss(weight=w, ignore_index=IGNORE, reduction=reduction,
+                                       label_smoothing=smoothing)(x, t)
+        else:
+            loss = ops.cross_entropy(x, t, w, IGNORE, reduction, smoothing)
+        plain = loss.to_local()
+        return (plain if upstream is None else (plain * upstream).sum()), plain
+
+    return loss_fn
+
+
 def _ms_cases(rank: int, world: int, case_ids: list[int], api: str):
     import mindspore as ms
-    from mindspore import Tensor, nn, ops
+    from mindspore import Tensor
 
-    from hp_dtensor import CommDebugMode, DTensor, Shard, init_device_mesh, loss_parallel
+    from hp_dtensor import CommDebugMode, init_device_mesh, loss_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
@@ -62,19 +80,9 @@ def _ms_cases(rank: int, world: int, case_ids: list[int], api: str):
         shape, logits, target, weight, smoothing, reduction, upstream = _data(case_id)
         class_dim = 0 if len(shape) == 1 else 1
         local = np.ascontiguousarray(np.split(logits, world, axis=class_dim)[rank])
-        t = Tensor(target)
-        w = None if weight is None else Tensor(weight)
 
-        def loss_fn(x_local):
-            x = DTensor.from_local(x_local, mesh, [Shard(class_dim)])
-            if api == "nn":
-                loss = nn.CrossEntropyLoss(weight=w, ignore_index=IGNORE, reduction=reduction,
-                                           label_smoothing=smoothing)(x, t)
-            else:
-                loss = ops.cross_entropy(x, t, w, IGNORE, reduction, smoothing)
-            plain = loss.to_local()
-            return (plain if upstream is None else (plain * Tensor(upstream)).sum()), plain
-
+        loss_fn = _loss_fn(mesh, class_dim, api, Tensor(target), None if weight is None else Tensor(weight),
+                           reduction, smoothing, None if upstream is None else Tensor(upstream))
         with loss_parallel(), CommDebugMode() as comm:
             (_, loss), grad = ms.value_and_grad(loss_fn, 0, has_aux=True)(Tensor(local))
         out.append((loss.asnumpy(), grad.asnumpy(), comm.get_comm_counts()))

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,import-not-found,import-untyped,attr-defined,arg-type,call-overload"
 """The consumer test's data, shared by the MindSpore and torch runs: the seed-004 job YAML, the
 decoder's sizes, and weights / token ids / targets drawn from numpy seeds, so both frameworks,
 every rank and the one-process reference start from the same numbers."""

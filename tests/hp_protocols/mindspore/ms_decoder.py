@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,import-not-found,import-untyped,attr-defined,arg-type,call-overload"
 """A MindFormers-shaped decoder block written as hp_protocols Modules on MindSpore: embedding,
 RMSNorm, attention projections, SwiGLU MLP and lm_head, each declaring its sharding with a
 ``ShardingConfig`` (no hp_tp).  ``parallelize(tp_mesh)`` shards it Megatron-style: vocab-parallel

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload"
 """What MindFormers does with hp_protocols, end to end on 2 MindSpore (mccl) ranks: read a seed-004
 job YAML (tensor_parallel: 2), resolve it to ParallelDims and meshes, build a decoder block written
 as protocol Modules with ShardingConfigs (no hp_tp), load its weights through a state-dict adapter,

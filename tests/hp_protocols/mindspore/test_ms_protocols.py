@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-arg"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-arg,call-overload"
 """hp_protocols on MindSpore Cells in one process (the twin of ``tests/hp_protocols/test_module.py``):
 init_states and buffers, the call's argument names (``construct``), from_nn_module, the
 containers, BaseModel's checks, ModelSpec, the state-dict adapter (files torch reads too), and

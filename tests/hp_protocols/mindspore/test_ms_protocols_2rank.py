@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-arg"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-arg,call-overload"
 """hp_protocols on 2 MindSpore (mccl) ranks: Module.parallelize makes the declared DTensor
 parameters, reshards construct's inputs and outputs, equals one process (outputs and gradients),
 runs once; a bad declaration anywhere fails closed (same errors as torch, tree unchanged); and

@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-def,import-not-found,import-untyped,attr-defined,arg-type,call-overload"
 """The consumer test's decoder on torch: the same hp_protocols Modules and ShardingConfigs as
 ``ms_decoder.py``, written with torch ops, for the cross-framework parity run."""
 

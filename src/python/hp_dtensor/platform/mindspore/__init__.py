@@ -2,8 +2,8 @@
 
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
-from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
+from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.modules import (
     FORWARD,
     Module,

@@ -164,7 +164,10 @@ def cross_entropy(input: DTensor, target: Any, weight: Any = None, ignore_index:
         out = fn(whole, target, weight, ignore_index, reduction, label_smoothing)
         return DTensor(out, DTensorSpec(mesh, rep, tuple(out.shape)))
 
-    group, n, index = mesh.get_group(k), mesh.shape[k], mesh.get_coordinate()[k]
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
+    group, n, index = mesh.get_group(k), mesh.shape[k], coord[k]
     x = input.to_local()
     width = int(Tensor.shape.fget(x)[class_dim])
     start = min(n_classes, index * -(-n_classes // n))  # torch.chunk's split: ceil(C / n) per rank
