@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from protocol_cases import assert_fail_closed, fail_closed_cases, good_down, good_up  # pants: no-infer-dep
+from protocol_cases import assert_fail_closed, fail_closed_cases, good_down, good_up
 from torch import nn
 
 from hp_dtensor.testing import fake_world

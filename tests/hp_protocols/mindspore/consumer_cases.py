@@ -9,7 +9,7 @@ import os
 import tempfile
 
 import numpy as np
-from decoder_cases import BATCH, JOB_YAML, LR, SEQ, STEPS, VOCAB, batch, weights  # pants: no-infer-dep
+from decoder_cases import BATCH, JOB_YAML, LR, SEQ, STEPS, VOCAB, batch, weights
 
 
 def checkpoint() -> str:
@@ -27,9 +27,9 @@ def build(job, framework: str):
     from hp_protocols import BaseStateDictAdapter
 
     if framework == "mindspore":
-        from ms_decoder import TinyDecoder  # pants: no-infer-dep
+        from ms_decoder import TinyDecoder
     else:
-        from torch_decoder import TinyDecoder  # pants: no-infer-dep
+        from torch_decoder import TinyDecoder
 
     class SameNames(BaseStateDictAdapter):
         def to_hf(self, sd):
@@ -38,7 +38,7 @@ def build(job, framework: str):
         def from_hf(self, hf):
             return dict(hf)
 
-    from decoder_cases import DIM, FFN  # pants: no-infer-dep
+    from decoder_cases import DIM, FFN
 
     model = TinyDecoder.Config(vocab=VOCAB, dim=DIM, heads=job.model.num_attention_heads, ffn=FFN, seq=SEQ).build()
     model.verify_module_protocol()

@@ -9,7 +9,7 @@ import importlib.util
 import sys
 
 import numpy as np
-from consumer_cases import train_ms  # pants: no-infer-dep
+from consumer_cases import train_ms
 
 from hp_dtensor.testing import RankPool
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from consumer_cases import train_ms, train_torch  # pants: no-infer-dep
+from consumer_cases import train_ms, train_torch
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 

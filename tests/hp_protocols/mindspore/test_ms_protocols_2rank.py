@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from protocol_cases import assert_fail_closed  # pants: no-infer-dep
+from protocol_cases import assert_fail_closed
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 
@@ -43,7 +43,7 @@ def _classes():
 
     class Block(Module):
         def __init__(self, down: ShardingConfig | None) -> None:
-            from protocol_cases import good_up  # pants: no-infer-dep
+            from protocol_cases import good_up
 
             super().__init__()
             self.up = Lin.Config(sharding_config=good_up()).build()
@@ -80,7 +80,7 @@ def _grads(model, x):
 
 def _parallelize(rank: int, world: int):
     from mindspore import Tensor
-    from protocol_cases import good_down  # pants: no-infer-dep
+    from protocol_cases import good_down
 
     from hp_dtensor import DTensor
     from hp_dtensor.platform import current
@@ -104,7 +104,7 @@ def _parallelize(rank: int, world: int):
 
 def test_parallelize_matches_one_process(pool: RankPool) -> None:
     from mindspore import Tensor
-    from protocol_cases import good_down  # pants: no-infer-dep
+    from protocol_cases import good_down
 
     from hp_dtensor import Replicate, Shard
 
@@ -125,7 +125,7 @@ def test_parallelize_matches_one_process(pool: RankPool) -> None:
 
 
 def _fail_closed(rank: int, world: int):
-    from protocol_cases import fail_closed_cases  # pants: no-infer-dep
+    from protocol_cases import fail_closed_cases
 
     return fail_closed_cases(_classes(), _mesh(world))
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from ms_decoder import colwise, replicated, rowwise  # pants: no-infer-dep
+from ms_decoder import colwise, replicated, rowwise
 from torch import nn
 
 from hp_dtensor import Replicate, Shard
