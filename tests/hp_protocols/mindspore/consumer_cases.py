@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload,assignment"
 """The consumer test's runs, importable without pytest (the wheel-install check runs them in a venv
 with only MindSpore, hp-protocols and hp-dtensor): build the decoder from the job YAML, load its
 weights through a state-dict adapter, parallelize on the tp mesh, train with loss_parallel."""
