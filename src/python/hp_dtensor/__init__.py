@@ -19,8 +19,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from hp_dtensor.api import distribute_module
     from hp_dtensor.platform.torch.dtensor import DTensor, distribute_tensor
+    from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 
-_LAZY = {"DTensor", "distribute_tensor", "distribute_module"}
+_LAZY = {"DTensor", "distribute_tensor", "distribute_module", "loss_parallel"}
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,12 @@ def __getattr__(name: str) -> Any:
         from hp_dtensor.platform import current
 
         return getattr(current(), name)
+    if name == "loss_parallel":
+        # Vocab-parallel cross entropy (a context manager): reachable without hp_tp, for
+        # consumers of hp_protocols that shard by declaration.
+        from hp_dtensor.platform import current
+
+        return current().loss_parallel
     if name == "distribute_module":
         from hp_dtensor.api import distribute_module
 
@@ -40,4 +47,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CommDebugMode", "DeviceMesh", "DTensor", "Partial", "Placement", "Replicate", "Shard",
     "distribute_module", "distribute_tensor", "get_current_mesh", "init_device_mesh", "manual_seed",
+    "loss_parallel",
 ]

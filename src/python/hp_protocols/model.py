@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from hp_dtensor.platform import current as _current
-from hp_protocols.module import Module
+from hp_protocols.module import Module, children_of
 
 _plat = _current()
 
@@ -23,7 +23,7 @@ class BaseModel(Module):
         Module (it could not be configured or sharded by declaration)."""
         bad = [
             fqn or "<root>"
-            for fqn, sub in self.named_modules()
+            for fqn, sub in _plat.named_modules(self)
             if not isinstance(sub, Module) and _plat.direct_params(sub) and not _allowed_leaf(sub)
         ]
         if bad:
@@ -42,9 +42,10 @@ class BaseModel(Module):
         """(parameter count, training FLOPs per token ~ 6 x non-embedding parameters).
 
         Models with attention override this to add the sequence-length term."""
-        nparams = sum(_plat.numel(p) for p in self.parameters())
+        nparams = sum(_plat.numel(p) for p in _plat.parameters(self))
         n_embed = sum(
-            _plat.numel(p) for m in self.modules() if _plat.is_embedding_module(m) for p in m.parameters()
+            _plat.numel(p) for _, m in _plat.named_modules(self) if _plat.is_embedding_module(m)
+            for p in _plat.parameters(m)
         )
         return nparams, 6 * (nparams - n_embed)
 
@@ -52,4 +53,4 @@ class BaseModel(Module):
 def _allowed_leaf(module: Any) -> bool:
     # Framework leaves with fixed semantics (Linear, Embedding, norms) are fine inside a protocol
     # Module: the parent declares their sharding by path.
-    return _plat.is_linear_module(module) or _plat.is_embedding_module(module) or not list(module.children())
+    return _plat.is_linear_module(module) or _plat.is_embedding_module(module) or not children_of(module)

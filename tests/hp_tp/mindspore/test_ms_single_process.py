@@ -285,11 +285,6 @@ def test_device_and_feature_gaps_fail_loudly(mesh):
         init_device_mesh("npu", (1,))
     with pytest.raises(ValueError, match="not one of"):
         init_device_mesh("cuda", (1,))
-    from hyper_parallel import loss_parallel
-
-    with pytest.raises(NotImplementedError, match="loss_parallel is not available on the MindSpore backend"):
-        with loss_parallel():
-            pass
 
 
 def test_npu_mesh_without_ascend_says_so():

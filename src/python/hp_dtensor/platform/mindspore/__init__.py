@@ -1,17 +1,20 @@
 """The MindSpore backend of the platform layer (PyNative mode; mccl on CPU, hccl on Ascend)."""
 
-from typing import Any
-
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
+from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.modules import (
+    FORWARD,
     Module,
     ModuleDict,
     ModuleList,
     Parameter,
     Sequential,
+    add_child,
     direct_buffers,
     direct_params,
+    init_param_,
     is_embedding_module,
     is_linear_module,
     is_module,
@@ -19,11 +22,15 @@ from hp_dtensor.platform.mindspore.modules import (
     named_children,
     named_modules,
     numel,
+    parameters,
+    register_buffer,
     register_forward_hook,
     register_forward_pre_hook,
+    register_param,
     set_buffer,
     set_param,
     share_param,
+    state_dict,
     track_module_forward,
 )
 from hp_dtensor.platform.mindspore.process_group import (
@@ -46,13 +53,6 @@ def set_num_threads(n: int) -> None:
     """MindSpore sizes its CPU thread pool from the context; nothing to do per process."""
 
 
-def loss_parallel(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError(
-        "loss_parallel is not available on the MindSpore backend yet; gather the logits with "
-        "ColwiseParallel(use_local_output=True, output_layouts=Replicate()) and use a plain loss"
-    )
-
-
 __all__ = [
     "NAME", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
@@ -60,4 +60,6 @@ __all__ = [
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
     "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
     "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel", "RNG",
+    "FORWARD", "add_child", "init_param_", "load_safetensors", "parameters", "register_buffer",
+    "register_param", "save_safetensors", "state_dict",
 ]

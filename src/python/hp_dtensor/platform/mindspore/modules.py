@@ -21,6 +21,9 @@ ModuleDict = nn.CellDict
 Sequential = nn.SequentialCell
 Parameter = ms.Parameter
 
+# The method a cell's call runs (a protocol Module wraps it to reshard inputs and outputs).
+FORWARD = "construct"
+
 _LINEAR = (nn.Dense, mint.nn.Linear)
 _EMBEDDING = (nn.Embedding, mint.nn.Embedding)
 
@@ -55,6 +58,51 @@ def named_children(m: nn.Cell) -> Iterator[tuple[str, nn.Cell]]:
 
 def named_modules(m: nn.Cell) -> Iterator[tuple[str, nn.Cell]]:
     return iter(m.cells_and_names())
+
+
+def init_param_(param: Any, kind: str, std: float = 0.02) -> None:
+    """Initialize in place: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones`` (MindSpore's
+    initializers, seeded by ``mindspore.set_seed``)."""
+    from mindspore.common import initializer as init
+
+    if kind == "normal":
+        how: Any = init.Normal(sigma=std, mean=0.0)
+    elif kind == "zeros":
+        how = init.Zero()
+    elif kind == "ones":
+        how = init.One()
+    else:
+        raise ValueError(f"unknown init kind {kind!r}; use normal, zeros or ones")
+    param.set_data(init.initializer(how, tuple(param.shape), param.dtype).init_data())
+
+
+def parameters(m: nn.Cell) -> list[Any]:
+    """Every parameter of the tree, each once."""
+    return list(m.get_parameters())
+
+
+def register_param(m: nn.Cell, name: str, param: Any) -> None:
+    # The parameter keeps the name it has (a state dict key), unlike ``setattr`` on a fresh one.
+    m.insert_param_to_cell(name, param, check_name_contain_dot=False)
+
+
+def register_buffer(m: nn.Cell, name: str, value: Any) -> None:
+    m.register_buffer(name, value)
+
+
+def add_child(m: nn.Cell, name: str, child: nn.Cell) -> None:
+    m.insert_child_to_cell(name, child)
+
+
+def state_dict(m: nn.Cell) -> dict[str, Any]:
+    """Parameters and buffers by dotted path (the cell attribute path, as torch names them)."""
+    out: dict[str, Any] = {}
+    for fqn, cell in m.cells_and_names():
+        prefix = f"{fqn}." if fqn else ""
+        for name, p in list(cell._params.items()) + list(getattr(cell, "_buffers", {}).items()):
+            if p is not None and f"{prefix}{name}" not in out:
+                out[f"{prefix}{name}"] = p
+    return out
 
 
 def direct_params(m: nn.Cell) -> list[tuple[str, Any]]:

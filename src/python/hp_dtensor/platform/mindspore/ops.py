@@ -289,4 +289,13 @@ def _masked_gather(mesh: Any, decision: Decision, *args: Any) -> Tensor:
     return out * keep.reshape(tuple(Tensor.shape.fget(keep)) + (1,))
 
 
+# ---------------------------------------------------------------- metadata
+
+
+@register("typeof")
+def _typeof(call: OpCall) -> Decision:
+    """The type of a tensor (argument checks in MindSpore's nn cells): no data moves, nothing to wrap."""
+    return Decision(tuple(None for _ in call.tensors()), ())
+
+
 install_interceptors()

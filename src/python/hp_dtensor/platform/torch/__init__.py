@@ -6,11 +6,13 @@ from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetens
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 from hp_dtensor.platform.torch.modules import (
+    FORWARD,
     Module,
     ModuleDict,
     ModuleList,
     Parameter,
     Sequential,
+    add_child,
     direct_buffers,
     direct_params,
     init_param_,
@@ -21,11 +23,15 @@ from hp_dtensor.platform.torch.modules import (
     named_children,
     named_modules,
     numel,
+    parameters,
+    register_buffer,
     register_forward_hook,
     register_forward_pre_hook,
+    register_param,
     set_buffer,
     set_param,
     share_param,
+    state_dict,
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
@@ -55,4 +61,5 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
+    "FORWARD", "add_child", "parameters", "register_buffer", "register_param", "state_dict",
 ]

@@ -14,6 +14,9 @@ ModuleDict = nn.ModuleDict
 Sequential = nn.Sequential
 Parameter = nn.Parameter
 
+# The method a module's call runs (a protocol Module wraps it to reshard inputs and outputs).
+FORWARD = "forward"
+
 
 def init_param_(param: Any, kind: str, std: float = 0.02) -> None:
     """Initialize in place: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
@@ -54,6 +57,28 @@ def named_children(m: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def named_modules(m: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     return m.named_modules()
+
+
+def parameters(m: nn.Module) -> list[Any]:
+    """Every parameter of the tree, each once."""
+    return list(m.parameters())
+
+
+def register_param(m: nn.Module, name: str, param: Any) -> None:
+    m.register_parameter(name, param)
+
+
+def register_buffer(m: nn.Module, name: str, value: Any) -> None:
+    m.register_buffer(name, value)
+
+
+def add_child(m: nn.Module, name: str, child: nn.Module) -> None:
+    m.add_module(name, child)
+
+
+def state_dict(m: nn.Module) -> dict[str, Any]:
+    """Parameters and persistent buffers by dotted name (the objects themselves, not detached copies)."""
+    return dict(m.state_dict(keep_vars=True))
 
 
 def direct_params(m: nn.Module) -> list[tuple[str, Any]]:
