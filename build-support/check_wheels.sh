@@ -95,4 +95,9 @@ print(f"ok: installed {first_party} with mindspore {installed['mindspore']}, num
 PY
 (cd "${work}" && GLOG_v=3 timeout 300 "${work}/ms/bin/python" "${root}/build-support/wheel_examples/ms_job.py") \
   || fail "the MindSpore JobConfig example failed"
+# The MindFormers-shaped consumer from these wheels alone: a protocol decoder on 2 mccl ranks
+# equals one process (its helpers are imported from the test folder, hp_* from site-packages).
+(cd "${root}/tests/hp_protocols/mindspore" && HYPER_PARALLEL_PLATFORM=mindspore GLOG_v=3 \
+  timeout 600 "${work}/ms/bin/python" consumer_main.py) \
+  || fail "the MindSpore consumer (protocol decoder on 2 mccl ranks) failed from the wheels"
 echo "ok: the wheels install alone (${SECONDS}s)"
