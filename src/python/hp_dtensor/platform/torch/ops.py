@@ -136,6 +136,11 @@ def _masked_fill(call: OpCall) -> Decision:
     return dec
 
 
+# Pointwise on every input: an uneven self is filled shard by shard (an in-place fill could not
+# move its self to the even layout other rules see).
+_masked_fill.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
+
+
 @register(aten._to_copy.default)
 def _to_copy(call: OpCall) -> Decision:
     """A cast keeps a Partial only between floating (or complex) dtypes: truncating to an integer
@@ -143,6 +148,9 @@ def _to_copy(call: OpCall) -> Decision:
     dtype = call.kwargs.get("dtype")
     exact = dtype is None or dtype.is_floating_point or dtype.is_complex
     return pointwise_rule(call, linearity="mul" if exact else None)
+
+
+_to_copy.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
 
 
 register(*_ADD_LIKE)(_pw("add"))
