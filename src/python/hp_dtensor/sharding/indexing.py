@@ -70,11 +70,7 @@ def index_select_rule(call: OpCall) -> Decision:
     req_i: list[Placement] = []
     out: list[Placement] = []
     for p, q in zip(t.placements, idx.placements):
-        if isinstance(p, Shard) and p.dim != d:
-            req_t.append(p)
-            req_i.append(_R)
-            out.append(p)
-        elif isinstance(p, Partial):
+        if (isinstance(p, Shard) and p.dim != d) or isinstance(p, Partial):
             req_t.append(p)
             req_i.append(_R)
             out.append(p)
