@@ -35,9 +35,14 @@ check deny hp_dtensor hp_protocols
 check deny hp_tp hp_protocols
 check deny hp_tp hp_models
 check deny hp_protocols hp_tp
+check deny hp_fsdp hp_tp
+check deny hp_tp hp_fsdp
+check deny hp_dtensor hp_fsdp
 check deny hp_protocols hyper_parallel
 check deny hp_models hyper_parallel
 check allow hp_tp hp_dtensor
 check allow hp_models hp_tp
+check allow hp_fsdp hp_dtensor
+check allow hp_models hp_fsdp
 ./pants dependencies :: >/dev/null
 echo "ok: the tree has no forbidden edge"

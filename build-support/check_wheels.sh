@@ -30,7 +30,7 @@ stage "building the wheels"
 rm -rf dist
 ./pants --filter-target-type=python_distribution package ::
 wheels=(dist/*.whl)
-[[ "${#wheels[@]}" -eq 5 ]] || { ls dist >&2; fail "expected 5 wheels, got ${#wheels[@]}"; }
+[[ "${#wheels[@]}" -eq 6 ]] || { ls dist >&2; fail "expected 6 wheels, got ${#wheels[@]}"; }
 whl() { local f=(dist/"$1"-*.whl); echo "${root}/${f[0]}"; }
 
 stage "wheel metadata"

@@ -45,6 +45,9 @@ class DeviceMesh:
                     f"a mesh may only hold ranks 0..{(world or 1) - 1}"
                 )
         self._layout = _layout
+        # The mesh this one was sliced from (itself for a mesh built directly): meshes sliced from
+        # one root can be combined, e.g. a parameter's TP dim with the data-parallel dims.
+        self._root_mesh: DeviceMesh = self
         self._rank = plat.get_rank()
         self._coord = _layout.coordinate_of(self._rank)
         if _init_groups:
@@ -112,7 +115,13 @@ class DeviceMesh:
         if dims == list(range(self.ndim)):
             return self
         sub = self._layout.submesh(dims, self._rank)
-        return DeviceMesh(self.device_type, None, _layout=sub, _init_groups=False)
+        out = DeviceMesh(self.device_type, None, _layout=sub, _init_groups=False)
+        out._root_mesh = self._root_mesh
+        return out
+
+    def get_root_mesh(self) -> DeviceMesh:
+        """The mesh this one was sliced from with ``mesh[...]`` (itself when it was not sliced)."""
+        return self._root_mesh
 
     # ----- identity -----
     def __eq__(self, other: object) -> bool:

@@ -17,6 +17,7 @@ from hp_dtensor import (
     init_device_mesh,
     manual_seed,
 )
+from hp_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from hp_tp import (
     ColwiseParallel,
     NoParallel,
@@ -49,4 +50,5 @@ __all__ = [
     "PrepareModuleOutput", "RowwiseParallel", "SequenceParallel", "loss_parallel", "parallelize_module",
     "CommDebugMode", "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_module", "distribute_tensor", "init_device_mesh", "manual_seed",
+    "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
 ]

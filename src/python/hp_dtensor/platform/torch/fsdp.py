@@ -1,0 +1,251 @@
+"""The primitives ``fully_shard`` needs from torch: flat communication buffers, parameter storage
+that can be freed and refilled under autograd, and backward hooks.
+
+Geometry and policy (which rows each rank owns, when to gather, what to divide by) live in
+``hp_fsdp``; this file only moves bytes.  A parameter's rows are split ``torch.chunk``-style over
+``n`` ranks: each rank contributes ``chunk_rows`` rows (zero-padded past the end of the tensor) so
+every collective buffer has the same size on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.platform.torch import collectives
+from hp_dtensor.platform.torch.dtensor import DTensor
+
+
+class _Pending:
+    """An all_gather started on gloo's worker threads; ``wait()`` returns the gathered buffer."""
+
+    def __init__(self, work: Any, out: torch.Tensor) -> None:
+        self._work = work
+        self._out = out
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+class _TorchFSDP:
+    """``FSDPPrimitives`` of torch."""
+
+    # ----- tensors and parameters -----
+    @staticmethod
+    def is_dtensor(t: Any) -> bool:
+        return isinstance(t, DTensor)
+
+    @staticmethod
+    def local_of(t: Any) -> torch.Tensor:
+        """The local data of a DTensor (or ``t`` itself), outside autograd."""
+        return t._local_tensor if isinstance(t, DTensor) else t.detach()
+
+    @staticmethod
+    def wrap(local: torch.Tensor, mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> DTensor:
+        """A DTensor over ``local`` with no autograd history (parameters and gradients)."""
+        return DTensor(local, DTensorSpec(mesh, placements, shape))
+
+    @staticmethod
+    def new_param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        return nn.Parameter(t, requires_grad=requires_grad)
+
+    @staticmethod
+    def shape_of(t: Any) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    @staticmethod
+    def dtype_of(t: Any) -> torch.dtype:
+        return t.dtype
+
+    @staticmethod
+    def is_floating_dtype(dtype: Any) -> bool:
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+    @staticmethod
+    def device_of(t: Any) -> torch.device:
+        return t.device
+
+    @staticmethod
+    def rows(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """An owned contiguous copy of rows ``[start, start+length)`` of ``t`` (dim 0)."""
+        return t.detach().narrow(0, start, length).clone().contiguous()
+
+    @staticmethod
+    def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    @staticmethod
+    def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+
+    @staticmethod
+    def add_(dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.add_(src)
+
+    @staticmethod
+    def get_grad(param: torch.Tensor) -> torch.Tensor | None:
+        return param.grad
+
+    @staticmethod
+    def set_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        param.grad = grad
+
+    @staticmethod
+    def to_device(t: torch.Tensor, device: Any, *, pin: bool = False) -> torch.Tensor:
+        out = t.to(device, non_blocking=False)
+        return out.pin_memory() if pin and out.device.type == "cpu" and torch.cuda.is_available() else out
+
+    @staticmethod
+    def nbytes(t: Any) -> int:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        return int(local.numel() * local.element_size())
+
+    # ----- storage that can be freed while autograd holds the tensor -----
+    @staticmethod
+    def free_storage(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    @staticmethod
+    def alloc_storage(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        need = t.numel() * t.element_size()
+        if storage.size() != need:
+            storage.resize_(need)
+
+    @staticmethod
+    def storage_bytes(t: torch.Tensor) -> int:
+        return int(t.untyped_storage().size())
+
+    # ----- flat buffers for one collective per group -----
+    @staticmethod
+    def gather_copy_in(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's contribution: each shard padded to ``chunk_rows`` rows, cast, concatenated."""
+        parts = []
+        for shard, rows in zip(shards, chunk_rows):
+            flat = shard.reshape(-1).to(dtype)
+            want = rows * (math.prod(shard.shape[1:]) if shard.ndim > 1 else 1)
+            if flat.numel() < want:
+                flat = torch.cat([flat, flat.new_zeros(want - flat.numel())])
+            parts.append(flat)
+        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+
+    @staticmethod
+    def gather_copy_out(
+        gathered: torch.Tensor, n: int, chunk_rows: Sequence[int], dsts: Sequence[torch.Tensor]
+    ) -> None:
+        """Write each parameter's rows from every rank's contribution into ``dsts`` (the unsharded
+        tensors, whose storage may be referenced by autograd: their version counters are kept)."""
+        per_rank = gathered.view(n, -1)
+        offset = 0
+        for dst, rows in zip(dsts, chunk_rows):
+            row_numel = math.prod(dst.shape[1:]) if dst.ndim > 1 else 1
+            width = rows * row_numel
+            block = per_rank[:, offset : offset + width].reshape((n * rows,) + tuple(dst.shape[1:]))
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
+                dst.copy_(block[: dst.shape[0]])
+            offset += width
+
+    @staticmethod
+    def scatter_copy_in(
+        grads: Sequence[torch.Tensor], n: int, chunk_rows: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rank-major flat input of a reduce_scatter: for rank r, every parameter's rows of chunk r."""
+        blocks = []
+        for g, rows in zip(grads, chunk_rows):
+            g = g.detach().to(dtype)
+            if g.shape[0] < n * rows:
+                g = torch.cat([g, g.new_zeros((n * rows - g.shape[0],) + tuple(g.shape[1:]))])
+            blocks.append(g.reshape(n, -1))
+        return torch.cat(blocks, dim=1).reshape(-1) if len(blocks) > 1 else blocks[0].reshape(-1).contiguous()
+
+    @staticmethod
+    def scatter_copy_out(
+        flat: torch.Tensor, chunk_rows: Sequence[int], shard_shapes: Sequence[tuple[int, ...]],
+        dtypes: Sequence[torch.dtype], scale: float,
+    ) -> list[torch.Tensor]:
+        """This rank's gradient shards from the reduce_scatter output (padding rows dropped),
+        multiplied by ``scale`` and cast to each parameter's dtype."""
+        out = []
+        offset = 0
+        for rows, shape, dtype in zip(chunk_rows, shard_shapes, dtypes):
+            row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+            width = rows * row_numel
+            piece = flat[offset : offset + shape[0] * row_numel].view(shape)
+            grad = piece * scale if scale != 1.0 else piece.clone()
+            out.append(grad.to(dtype))
+            offset += width
+        return out
+
+    # ----- collectives on flat buffers -----
+    @staticmethod
+    def all_gather_start(flat: torch.Tensor, group: Any, n: int, *, async_op: bool) -> _Pending:
+        """Start (or run) the all_gather of every rank's ``flat`` into one ``n * len`` buffer."""
+        if n == 1:
+            return _Pending(None, flat)
+        out = flat.new_empty((n * flat.numel(),))
+        collectives.record("all_gather", out.numel() * out.element_size(), n)
+        work = torch.distributed.all_gather_single(out, flat, group=group, async_op=async_op)
+        return _Pending(work if async_op else None, out)
+
+    @staticmethod
+    def reduce_scatter_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        if n == 1:
+            return flat
+        return collectives.reduce_scatter(flat, 0, "sum", group, n)
+
+    @staticmethod
+    def all_reduce_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        if n == 1:
+            return flat
+        return collectives.all_reduce(flat, "sum", group, n)
+
+    # ----- autograd -----
+    @staticmethod
+    def grad_enabled() -> bool:
+        return torch.is_grad_enabled()
+
+    @staticmethod
+    def register_post_accumulate_grad_hook(param: torch.Tensor, fn: Callable[[], None]) -> Any:
+        return param.register_post_accumulate_grad_hook(lambda _p: fn())
+
+    @staticmethod
+    def register_pre_backward_hook(outputs: Any, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` once, when the first gradient reaches any tensor of ``outputs`` that needs
+        one; False when no output needs a gradient (nothing registered)."""
+        leaves, _ = tree_flatten(outputs)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return False
+        register_multi_grad_hook(tensors, lambda _grads: fn(), mode="any")
+        return True
+
+    @staticmethod
+    def queue_end_of_backward(fn: Callable[[], None]) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+    @staticmethod
+    def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+        """Every floating-point tensor in ``tree`` cast to ``dtype`` (others untouched)."""
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)
+            return x
+        return tree_map(cast, tree)
+
+
+FSDP = _TorchFSDP()
+
+__all__ = ["FSDP"]

@@ -1,0 +1,184 @@
+"""``fully_shard``: FSDP2's API on hyper-parallel DTensors.
+
+``fully_shard(module)`` turns every parameter of ``module``'s tree that no nested ``fully_shard``
+took into a ``Shard(0)`` DTensor over the data-parallel ranks (padded internally when dim 0 does
+not divide), and makes ``module`` an ``FSDPModule``: one all_gather before its forward (and again
+before its backward when it resharded after forward), one reduce_scatter of its gradients after
+backward (and one all_reduce across replicas under HSDP).  Apply it bottom-up: blocks first, then
+the root.  After tensor parallelism, pass only the data-parallel slice of the mesh: a TP DTensor
+parameter keeps its TP placement and is sharded over the data-parallel dims on top of it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+from hp_dtensor import DeviceMesh
+from hp_dtensor.device_mesh import get_current_mesh
+from hp_dtensor.platform import current as _platform
+from hp_fsdp.mesh_info import FSDPMeshInfo
+from hp_fsdp.param import FSDPParam, make_fsdp_param
+from hp_fsdp.param_group import FSDPParamGroup
+from hp_fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.primitives import fsdp_primitives
+from hp_fsdp.state import FSDPState
+
+M = TypeVar("M")
+
+_STATE = "_hp_fsdp_state"
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to (``isinstance(m,
+    FSDPModule)``), with FSDP2's controls."""
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [getattr(self, _STATE)]
+        out = []
+        for _name, sub in _platform().named_modules(self):
+            st = getattr(sub, _STATE, None)
+            if isinstance(st, FSDPState):
+                out.append(st)
+        return out
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather this module's parameters now (``async_op``: start it; the next forward or a
+        later ``unshard()`` waits for it)."""
+        group = getattr(self, _STATE).group
+        if group is not None:
+            group.unshard(async_op=async_op)
+            if not async_op:
+                group.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters; the modules hold the sharded ones again."""
+        group = getattr(self, _STATE).group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False for the micro-steps of gradient accumulation: no reduce_scatter, gradients
+        accumulate unsharded until a backward with sync on reduces them all at once."""
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.reduce_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for st in self._fsdp_states(recurse):
+            if st.group is not None and not st.is_root:
+                st.group.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0: sum)."""
+        if not factor > 0:
+            raise ValueError(f"gradient divide factor must be > 0, got {factor!r}")
+        for st in self._fsdp_states(True):
+            if st.group is not None:
+                st.group.divide_factor = float(factor)
+
+
+def fully_shard(
+    module: M,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: Iterable[Any] | None = None,
+) -> M:
+    """Shard ``module``'s parameters over ``mesh`` (default: the current ``with mesh:``), FSDP2
+    semantics.  ``mesh`` 1-D: FSDP; 2-D ``(replicate, shard)``: HSDP.  ``reshard_after_forward``:
+    True frees the gathered parameters after forward and gathers again for backward (the root
+    always keeps them); False keeps them until after backward; an int equal to the shard size is
+    True.  Returns ``module``, now also an ``FSDPModule``."""
+    plat = _platform()
+    prims = fsdp_primitives()
+    if not plat.is_module(module):
+        raise TypeError(f"fully_shard takes a module, got {type(module).__name__}")
+    if isinstance(getattr(module, _STATE, None), FSDPState):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
+    mesh = mesh or get_current_mesh()
+    if mesh is None:
+        raise ValueError("fully_shard needs mesh= (a 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP)")
+    info = FSDPMeshInfo(mesh)
+    reshard = _check_reshard(reshard_after_forward, info)
+    mp = mp_policy or MixedPrecisionPolicy()
+    if not isinstance(mp, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp).__name__}")
+    offload = offload_policy or OffloadPolicy()
+    if not isinstance(offload, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload).__name__}")
+
+    ignored = {id(p) for p in (ignored_params or ())}
+    managed = _params_to_manage(module, ignored)
+    compute_device = prims.device_of(managed[0][2]) if managed else None
+    offload_device: object | None = None
+    if isinstance(offload, CPUOffloadPolicy) and managed:
+        if getattr(compute_device, "type", str(compute_device)) == "cpu":
+            warnings.warn(
+                "CPUOffloadPolicy: the parameters already live in host memory (a CPU job), so there is "
+                "nothing to offload; fully_shard keeps them where they are",
+                UserWarning, stacklevel=2,
+            )
+        else:
+            offload_device = "cpu"
+    fparams: list[FSDPParam] = [
+        make_fsdp_param(prims, info, fqn, owners, param, offload_device,
+                        isinstance(offload, CPUOffloadPolicy) and offload.pin_memory)
+        for fqn, owners, param in managed
+    ]
+    # Every parameter is built before any module changes, so a failed call leaves the tree as it was.
+    for fp in fparams:
+        for owner, name in fp.owners:
+            plat.share_param(owner, name, fp.sharded_param)
+    group = None
+    if fparams:
+        group = FSDPParamGroup(prims, fparams, info, mp, compute_device, offload_device is not None)
+        group.reshard_after_forward = reshard
+    state = FSDPState(prims, module, group, mp)
+    object.__setattr__(module, _STATE, state)
+    cls = type(module)
+    if not issubclass(cls, FSDPModule):
+        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})  # type: ignore[assignment]
+    return module
+
+
+def _check_reshard(value: bool | int, info: FSDPMeshInfo) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value == info.shard_size:
+            return True
+        raise NotImplementedError(
+            f"reshard_after_forward={value}: resharding to a group smaller than the shard group "
+            f"({info.shard_size} ranks) after forward is not supported; use True or False"
+        )
+    raise TypeError(f"reshard_after_forward must be a bool or an int, got {value!r}")
+
+
+def _params_to_manage(module: Any, ignored: set[int]) -> list[tuple[str, list[tuple[object, str]], Any]]:
+    """(fqn, every (module, name) holding it, parameter) for each parameter of ``module``'s tree
+    that no nested ``fully_shard`` manages and that is not ignored, in registration order."""
+    plat = _platform()
+    found: dict[int, tuple[str, list[tuple[object, str]], Any]] = {}
+    taken: set[int] = set()
+    for _prefix, sub in plat.named_modules(module):
+        st = getattr(sub, _STATE, None)
+        if sub is not module and isinstance(st, FSDPState) and st.group is not None:
+            for p in st.group.params:
+                taken.add(id(p.sharded_param))
+                if p.unsharded_param is not None:
+                    taken.add(id(p.unsharded_param))
+    for prefix, sub in plat.named_modules(module):
+        for name, param in plat.direct_params(sub):
+            if param is None or id(param) in taken or id(param) in ignored:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if id(param) in found:
+                found[id(param)][1].append((sub, name))
+            else:
+                found[id(param)] = (fqn, [(sub, name)], param)
+    return list(found.values())

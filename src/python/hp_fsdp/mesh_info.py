@@ -1,0 +1,96 @@
+"""Which ranks share a parameter: the data-parallel mesh of ``fully_shard`` and, for a parameter
+that tensor parallelism already split, the mesh its sharded form lives on.
+
+The data-parallel mesh is 1-D (FSDP: shard over every rank of it) or 2-D
+``(replicate, shard)`` (HSDP: shard inside a group, replicate across groups).  A TP parameter is
+gathered and reduced over the data-parallel dims only; its sharded form is a DTensor over the TP
+dims followed by the data-parallel dims, so its placements read left to right as torch's do:
+first the TP split, then ``Shard(0)`` of that TP shard over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hp_dtensor import DeviceMesh, Partial, Placement, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class FSDPMeshInfo:
+    """The data-parallel mesh and this rank's view of it."""
+
+    mesh: DeviceMesh
+
+    def __post_init__(self) -> None:
+        if self.mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fully_shard takes a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got a "
+                f"{self.mesh.ndim}-D mesh {self.mesh}; pass the data-parallel slice, e.g. mesh['dp']"
+            )
+        if self.mesh.get_coordinate() is None:
+            raise ValueError(f"rank {self.mesh.get_rank()} is not part of the fully_shard mesh {self.mesh}")
+
+    @property
+    def shard_dim(self) -> int:
+        return self.mesh.ndim - 1
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.mesh.ndim == 2
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def shard_group(self) -> Any:
+        return self.mesh.get_group(self.shard_dim)
+
+    @property
+    def replicate_size(self) -> int:
+        return self.mesh.size(0) if self.is_hybrid else 1
+
+    @property
+    def replicate_group(self) -> Any:
+        return self.mesh.get_group(0) if self.is_hybrid else None
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size()
+
+    def dp_placements(self) -> tuple[Placement, ...]:
+        """The placements of a sharded parameter over the data-parallel dims."""
+        return (Replicate(), Shard(0)) if self.is_hybrid else (Shard(0),)
+
+
+def sharded_layout(
+    info: FSDPMeshInfo, fqn: str, tp_mesh: DeviceMesh | None, tp_placements: tuple[Placement, ...]
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """Mesh and placements of the sharded form of parameter ``fqn`` (``tp_mesh`` None: a plain one)."""
+    if tp_mesh is None:
+        return info.mesh, info.dp_placements()
+    if any(isinstance(p, Partial) for p in tp_placements):
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a Partial DTensor {tp_placements}; a parameter must be "
+            f"Shard or Replicate on its mesh"
+        )
+    tp_names, dp_names = tp_mesh.mesh_dim_names, info.mesh.mesh_dim_names
+    root = tp_mesh.get_root_mesh()
+    if tp_names is None or dp_names is None or root != info.mesh.get_root_mesh():
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on {tp_mesh}, which is not a named slice of the "
+            f"same mesh as the fully_shard mesh {info.mesh}; slice both from one init_device_mesh "
+            f"(e.g. mesh['tp'] for parallelize_module and mesh['dp'] for fully_shard)"
+        )
+    shared = set(tp_names) & set(dp_names)
+    if shared:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is already split over mesh dim(s) {sorted(shared)}, which the "
+            f"fully_shard mesh {info.mesh} also uses; pass only the data-parallel dims to fully_shard"
+        )
+    return root[tuple(tp_names) + tuple(dp_names)], tuple(tp_placements) + info.dp_placements()

@@ -1,0 +1,183 @@
+"""``FSDPParamGroup``: the parameters of one ``fully_shard`` call, gathered by one all_gather and
+reduced by one reduce_scatter (plus one all_reduce across replicas under HSDP).
+
+States: SHARDED (modules hold the sharded parameters, the unsharded storage is freed) and
+UNSHARDED (modules hold the unsharded parameters).  An all_gather may be in flight between the two
+(a prefetch); ``wait_unshard`` finishes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from hp_dtensor.platform import current as _platform
+from hp_fsdp.mesh_info import FSDPMeshInfo
+from hp_fsdp.param import FSDPParam
+from hp_fsdp.policy import MixedPrecisionPolicy
+from hp_fsdp.primitives import FSDPPrimitives, PendingGather, Tensor
+
+
+def prims_grad(prims: FSDPPrimitives, param: Tensor | None) -> Tensor | None:
+    return None if param is None else prims.get_grad(param)
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class FSDPParamGroup:
+    def __init__(
+        self, prims: FSDPPrimitives, params: Sequence[FSDPParam], info: FSDPMeshInfo, mp: MixedPrecisionPolicy,
+        compute_device: object, offloaded: bool,
+    ) -> None:
+        self.prims = prims
+        self.params = list(params)
+        self.info = info
+        self.mp = mp
+        self.compute_device = compute_device
+        self.offloaded = offloaded
+        dtypes = {p.orig_dtype for p in self.params}
+        if mp.param_dtype is None and len(dtypes) > 1:
+            names = {str(p.orig_dtype): p.fqn for p in self.params}
+            raise ValueError(
+                f"fully_shard gathers a group's parameters in one buffer, so they need one dtype; found {names}; "
+                f"set MixedPrecisionPolicy(param_dtype=...) or fully_shard the submodules separately"
+            )
+        self.param_dtype: object = mp.param_dtype if mp.param_dtype is not None else next(iter(dtypes))
+        self.reduce_dtype: object = mp.reduce_dtype if mp.reduce_dtype is not None else self.param_dtype
+        self.state = GroupState.SHARDED
+        self._pending: PendingGather | None = None
+        self.reduce_grads = True
+        self.divide_factor: float | None = None  # None: average over every data-parallel rank
+        self.reshard_after_forward = True
+        self.grads_ready = 0
+        self.in_backward = False
+
+    @property
+    def needs_grad(self) -> list[FSDPParam]:
+        return [p for p in self.params if p.requires_grad]
+
+    # ----- unshard / reshard -----
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Start gathering the group's parameters (nothing to do when gathered or in flight)."""
+        if self.state is GroupState.UNSHARDED or self._pending is not None:
+            return
+        shards = [self.prims.local_of(p.sharded_param) for p in self.params]
+        if self.offloaded:
+            shards = [self.prims.to_device(s, self.compute_device) for s in shards]
+        flat = self.prims.gather_copy_in(shards, [p.chunk_rows for p in self.params], self.param_dtype)
+        self._pending = self.prims.all_gather_start(
+            flat, self.info.shard_group, self.info.shard_size, async_op=async_op
+        )
+
+    def wait_unshard(self) -> None:
+        """Make the unsharded parameters current in their modules."""
+        if self.state is GroupState.UNSHARDED:
+            return
+        if self._pending is None:
+            self.unshard()
+        assert self._pending is not None
+        gathered = self._pending.wait()
+        self._pending = None
+        for p in self.params:
+            self._alloc_unsharded(p)
+        self.prims.gather_copy_out(
+            gathered, self.info.shard_size, [p.chunk_rows for p in self.params],
+            [p.unsharded_local for p in self.params],
+        )
+        for p in self.params:
+            self._swap(p, p.unsharded_param)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Put the sharded parameters back and free the unsharded storage."""
+        if self._pending is not None:  # a prefetch nobody used: finish it so ranks stay in step
+            self._pending.wait()
+            self._pending = None
+        if self.state is GroupState.SHARDED:
+            return
+        for p in self.params:
+            self._swap(p, p.sharded_param)
+            self.prims.free_storage(p.unsharded_local)
+        self.state = GroupState.SHARDED
+
+    def _alloc_unsharded(self, p: FSDPParam) -> None:
+        if p.unsharded_local is not None:
+            self.prims.alloc_storage(p.unsharded_local)
+            return
+        local = self.prims.empty(p.unsharded_shape, self.param_dtype, self.compute_device)
+        if p.tp_mesh is not None:
+            value = self.prims.wrap(local, p.tp_mesh, p.tp_placements, p.global_shape)
+        else:
+            value = local
+        param = self.prims.new_param(value, p.requires_grad)
+        p.unsharded_param = param
+        # The tensor whose storage is freed and refilled: the one the parameter itself views.
+        p.unsharded_local = self.prims.local_of(param)
+        if p.requires_grad:
+            p.hook_handles.append(self.prims.register_post_accumulate_grad_hook(param, self._on_grad))
+
+    def _swap(self, p: FSDPParam, value: Tensor) -> None:
+        plat = _platform()
+        for module, name in p.owners:
+            plat.share_param(module, name, value)
+
+    # ----- gradients -----
+    def pre_backward(self) -> None:
+        self.wait_unshard()
+        if not self.in_backward:
+            self.in_backward = True
+            self.grads_ready = 0
+
+    def _on_grad(self) -> None:
+        self.grads_ready += 1
+        if self.in_backward and self.grads_ready == len(self.needs_grad):
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Reduce the unsharded gradients into the sharded parameters' ``.grad`` (unless gradient
+        sync is off: they then accumulate unsharded until a step that syncs), then reshard."""
+        self.in_backward = False
+        if self.reduce_grads:
+            self._reduce_grads()
+        self.reshard()
+
+    def _reduce_grads(self) -> None:
+        params = self.needs_grad
+        grads = [prims_grad(self.prims, p.unsharded_param) for p in params]
+        if all(g is None for g in grads):
+            return
+        prims = self.prims
+        locals_: list[Tensor] = []
+        for p, g in zip(params, grads):
+            if g is None:  # unused this step on this rank: contributes zeros so ranks stay in step
+                g = prims.zeros(p.unsharded_shape, self.reduce_dtype, self.compute_device)
+            elif p.tp_mesh is not None and prims.is_dtensor(g):
+                if tuple(g.placements) != p.tp_placements:
+                    g = g.redistribute(p.tp_mesh, p.tp_placements)
+                g = prims.local_of(g)
+            locals_.append(g)
+        n = self.info.shard_size
+        rows = [p.chunk_rows for p in params]
+        flat = prims.scatter_copy_in(locals_, n, rows, self.reduce_dtype)
+        out = prims.reduce_scatter_sum(flat, self.info.shard_group, n)
+        if self.info.is_hybrid:
+            out = prims.all_reduce_sum(out, self.info.replicate_group, self.info.replicate_size)
+        factor = self.divide_factor if self.divide_factor is not None else float(self.info.dp_size)
+        shards = prims.scatter_copy_out(
+            out, rows, [p.shard_shape for p in params], [p.orig_dtype for p in params], 1.0 / factor
+        )
+        for p, shard in zip(params, shards):
+            if self.offloaded:
+                shard = prims.to_device(shard, prims.device_of(prims.local_of(p.sharded_param)))
+            if p.unsharded_param is not None:
+                prims.set_grad(p.unsharded_param, None)
+            sharded = p.sharded_param
+            existing = prims.get_grad(sharded)
+            if existing is None:
+                mesh, placements = sharded.device_mesh, tuple(sharded.placements)
+                prims.set_grad(sharded, prims.wrap(shard, mesh, placements, p.global_shape))
+            else:  # gradients accumulate across backward passes, as on an unsharded module
+                prims.add_(prims.local_of(existing), shard)

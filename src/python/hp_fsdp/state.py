@@ -1,0 +1,137 @@
+"""``FSDPState``: the hooks of one ``fully_shard`` module, and the root's view of all of them.
+
+The outermost sharded module that runs forward first becomes the root.  The root keeps the order
+in which sharded modules ran their forward; from the second step on, each module's forward starts
+the all_gather of the next one (forward prefetch) and each module's backward starts the all_gather
+of the one before it (backward prefetch), so the gather overlaps compute.  After backward, the
+root reduces what the per-parameter gradient hooks did not (parameters without a gradient) and
+reshards everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hp_dtensor.platform import current as _platform
+from hp_fsdp.param_group import FSDPParamGroup, GroupState
+from hp_fsdp.policy import MixedPrecisionPolicy
+from hp_fsdp.primitives import FSDPPrimitives
+
+
+@dataclass
+class RootContext:
+    """Shared by every state under one root."""
+
+    states: list[FSDPState]
+    forward_order: list[FSDPState] = field(default_factory=list)
+    order_frozen: bool = False
+    backward_queued: bool = False
+
+
+class FSDPState:
+    def __init__(self, prims: FSDPPrimitives, module: object, group: FSDPParamGroup | None,
+                 mp: MixedPrecisionPolicy) -> None:
+        self.prims = prims
+        self.module = module
+        self.group = group
+        self.mp = mp
+        self.ctx: RootContext | None = None
+        self.is_root: bool | None = None
+        self._pre_backward_done = False
+        plat = _platform()
+        plat.register_forward_pre_hook(module, self._pre_forward, with_kwargs=True)
+        plat.register_forward_hook(module, self._post_forward)
+
+    # ----- root -----
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        plat = _platform()
+        states: list[FSDPState] = []
+        for _name, sub in plat.named_modules(self.module):
+            st = getattr(sub, "_hp_fsdp_state", None)
+            if isinstance(st, FSDPState):
+                states.append(st)
+        ctx = RootContext(states)
+        for st in states:
+            st.is_root = st is self
+            st.ctx = ctx
+        # The root's parameters are needed again as soon as backward starts: keep them gathered.
+        if self.group is not None:
+            self.group.reshard_after_forward = False
+
+    # ----- forward -----
+    def _pre_forward(self, module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        self._lazy_init()
+        ctx = self.ctx
+        assert ctx is not None
+        if self.is_root:
+            ctx.backward_queued = False
+            if ctx.forward_order and not ctx.order_frozen:
+                ctx.order_frozen = True
+        if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
+            args, kwargs = self.prims.cast_floating((args, kwargs), self.mp.param_dtype)
+        self._pre_backward_done = False
+        if self.group is not None:
+            self.group.wait_unshard()
+            if not ctx.order_frozen:
+                ctx.forward_order.append(self)
+            else:
+                nxt = _neighbour(ctx.forward_order, self, +1)
+                if nxt is not None and nxt.group is not None:
+                    nxt.group.unshard(async_op=True)
+        return args, kwargs
+
+    def _post_forward(self, module: object, args: tuple[Any, ...], output: Any) -> Any:
+        grad = self.prims.grad_enabled()
+        if self.group is not None and self.group.reshard_after_forward:
+            self.group.reshard()
+        if grad:
+            self.prims.register_pre_backward_hook(output, self._pre_backward)
+        elif self.is_root and self.ctx is not None:
+            # No backward will follow: nothing needs the gathered parameters any more.
+            for st in self.ctx.states:
+                if st.group is not None:
+                    st.group.reshard()
+        if self.mp.output_dtype is not None:
+            output = self.prims.cast_floating(output, self.mp.output_dtype)
+        return output
+
+    # ----- backward -----
+    def _pre_backward(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.backward_queued:
+            ctx.backward_queued = True
+            self.prims.queue_end_of_backward(_finalizer(ctx))
+        if self._pre_backward_done:
+            return
+        self._pre_backward_done = True
+        if self.group is not None:
+            self.group.pre_backward()
+            prev = _neighbour(ctx.forward_order, self, -1)
+            if prev is not None and prev.group is not None and prev.group.state is GroupState.SHARDED:
+                prev.group.unshard(async_op=True)
+
+
+def _neighbour(order: list[FSDPState], st: FSDPState, step: int) -> FSDPState | None:
+    try:
+        i = order.index(st) + step
+    except ValueError:
+        return None
+    return order[i] if 0 <= i < len(order) else None
+
+
+def _finalizer(ctx: RootContext) -> Any:
+    def finish() -> None:
+        for st in ctx.states:
+            st._pre_backward_done = False
+            g = st.group
+            if g is None:
+                continue
+            if g.in_backward:
+                g.post_backward()
+            g.reshard()
+        ctx.backward_queued = False
+    return finish
