@@ -68,7 +68,8 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for st in self._fsdp_states(recurse):
-            if st.group is not None and not st.is_root:
+            st.auto_reshard = False
+            if st.group is not None:
                 st.group.reshard_after_forward = bool(reshard_after_forward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -84,16 +85,17 @@ def fully_shard(
     module: M,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[Any] | None = None,
 ) -> M:
     """Shard ``module``'s parameters over ``mesh`` (default: the current ``with mesh:``), FSDP2
     semantics.  ``mesh`` 1-D: FSDP; 2-D ``(replicate, shard)``: HSDP.  ``reshard_after_forward``:
-    True frees the gathered parameters after forward and gathers again for backward (the root
-    always keeps them); False keeps them until after backward; an int equal to the shard size is
-    True.  Returns ``module``, now also an ``FSDPModule``."""
+    True frees the gathered parameters after forward and gathers again for backward; False keeps
+    them until after backward; None (default) is True except for the root, whose parameters
+    backward needs first; an int equal to the shard size is True.  Returns ``module``, now also
+    an ``FSDPModule``."""
     plat = _platform()
     prims = fsdp_primitives()
     if not plat.is_module(module):
@@ -137,8 +139,8 @@ def fully_shard(
     group = None
     if fparams:
         group = FSDPParamGroup(prims, fparams, info, mp, compute_device, offload_device is not None)
-        group.reshard_after_forward = reshard
-    state = FSDPState(prims, module, group, mp)
+        group.reshard_after_forward = True if reshard is None else reshard
+    state = FSDPState(prims, module, group, mp, auto_reshard=reshard is None)
     object.__setattr__(module, _STATE, state)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
@@ -146,8 +148,8 @@ def fully_shard(
     return module
 
 
-def _check_reshard(value: bool | int, info: FSDPMeshInfo) -> bool:
-    if isinstance(value, bool):
+def _check_reshard(value: bool | int | None, info: FSDPMeshInfo) -> bool | None:
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
         if value == info.shard_size:

@@ -31,11 +31,12 @@ class RootContext:
 
 class FSDPState:
     def __init__(self, prims: FSDPPrimitives, module: object, group: FSDPParamGroup | None,
-                 mp: MixedPrecisionPolicy) -> None:
+                 mp: MixedPrecisionPolicy, *, auto_reshard: bool = True) -> None:
         self.prims = prims
         self.module = module
         self.group = group
         self.mp = mp
+        self.auto_reshard = auto_reshard  # reshard_after_forward left to fully_shard: all but the root
         self.ctx: RootContext | None = None
         self.is_root: bool | None = None
         self._pre_backward_done = False
@@ -58,7 +59,7 @@ class FSDPState:
             st.is_root = st is self
             st.ctx = ctx
         # The root's parameters are needed again as soon as backward starts: keep them gathered.
-        if self.group is not None:
+        if self.group is not None and self.auto_reshard:
             self.group.reshard_after_forward = False
 
     # ----- forward -----
