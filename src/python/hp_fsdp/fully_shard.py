@@ -132,14 +132,14 @@ def fully_shard(
                         isinstance(offload, CPUOffloadPolicy) and offload.pin_memory)
         for fqn, owners, param in managed
     ]
-    # Every parameter is built before any module changes, so a failed call leaves the tree as it was.
-    for fp in fparams:
-        for owner, name in fp.owners:
-            plat.share_param(owner, name, fp.sharded_param)
     group = None
     if fparams:
         group = FSDPParamGroup(prims, fparams, info, mp, compute_device, offload_device is not None)
         group.reshard_after_forward = True if reshard is None else reshard
+    # Everything that can fail ran before any module changes, so a failed call leaves the tree as it was.
+    for fp in fparams:
+        for owner, name in fp.owners:
+            plat.share_param(owner, name, fp.sharded_param)
     state = FSDPState(prims, module, group, mp, auto_reshard=reshard is None)
     object.__setattr__(module, _STATE, state)
     cls = type(module)
