@@ -125,10 +125,10 @@ def _prefetch(rank: int, world: int) -> list[list[str]]:
     fully_shard(model, mesh=mesh)
     states = [b._hp_fsdp_state.group for b in model.blocks]
     seen: list[list[str]] = []
-    for step in range(2):
+    for _step in range(2):
         marks: list[str] = []
         hooks = [
-            b.register_forward_hook(lambda _m, _a, _o, i=i: marks.append(
+            b.register_forward_hook(lambda _m, _a, _o, i=i, marks=marks: marks.append(
                 f"fwd{i}:next_in_flight={i + 1 < len(states) and states[i + 1]._pending is not None}"))
             for i, b in enumerate(model.blocks)
         ]
@@ -136,7 +136,6 @@ def _prefetch(rank: int, world: int) -> list[list[str]]:
         for h in hooks:
             h.remove()
         seen.append(marks)
-        assert step < 2
     return seen
 
 
