@@ -5,7 +5,9 @@
 #   2. hp-tp + hp-dtensor[torch] in a fresh venv that already holds numpy 2: torch comes in,
 #      mindspore does not, numpy is untouched, and a 2-rank TP MLP under torchrun (gloo) matches
 #      one process;
-#   3. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
+#   3. hp-fsdp + hp-dtensor[torch] alone in a fresh venv: a 2-rank fully_shard MLP under torchrun
+#      matches one process after 3 AdamW steps;
+#   4. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
 #      and a JobConfig resolves into a mesh and a DTensor.
 # torch is constrained to the CPU wheel on disk (an unconstrained torch is a multi-GB CUDA build).
 # MindSpore (~800 MB) is kept in a wheel cache (HP_WHEEL_CACHE) and reused from Pants' own
@@ -63,6 +65,21 @@ PY
 (cd "${work}" && timeout 300 "${work}/torch/bin/torchrun" --standalone --nproc-per-node 2 \
   "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank TP example failed"
+
+stage "hp-fsdp + hp-dtensor[torch]"
+python3.11 -m venv "${work}/fsdp"
+"${work}/fsdp/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
+  -c "${work}/torch-constraint.txt" "$(whl hp_fsdp)" "$(whl hp_dtensor)[torch]"
+"${work}/fsdp/bin/python" - <<'PY'
+import importlib.metadata as md
+installed = {d.metadata["Name"].lower() for d in md.distributions()}
+first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
+assert first_party == ["hp-dtensor", "hp-fsdp"], first_party
+print(f"ok: installed {first_party} alone")
+PY
+(cd "${work}" && timeout 300 "${work}/fsdp/bin/torchrun" --standalone --nproc-per-node 2 \
+  "${root}/build-support/wheel_examples/fsdp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
+  || fail "the 2-rank fully_shard example failed"
 
 stage "hp-protocols + hp-dtensor[mindspore]"
 mkdir -p "${cache}"
