@@ -66,7 +66,7 @@ class Net(nn.Module):
 
 @dataclass
 class Case:
-    kind: str = "fsdp"  # fsdp | hsdp | c15 (TP on mesh['tp'], then FSDP on mesh['dp'])
+    kind: str = "fsdp"  # fsdp | hsdp | c15 (TP on mesh['tp'], then FSDP on mesh['dp']) | hsdp_tp
     nested: bool = True  # fully_shard each block, then the root
     reshard: bool | None = None  # None: fully_shard's default (all but the root)
     steps: int = 3
@@ -94,6 +94,10 @@ def _mesh(world: int, kind: str) -> tuple[Any, Any, Any, int, int]:
     if kind == "c15":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         return mesh["dp"], mesh["tp"], mesh, world // 2, mesh.get_local_rank(0)
+    if kind == "hsdp_tp":  # (dp_replicate, dp_shard, tp) = (2, world // 4, 2)
+        mesh = init_device_mesh("cpu", (2, world // 4, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_index = mesh.get_local_rank(0) * mesh.size(1) + mesh.get_local_rank(1)
+        return mesh["dp_replicate", "dp_shard"], mesh["tp"], mesh, world // 2, dp_index
     raise ValueError(kind)
 
 

@@ -1,7 +1,8 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc,assignment"
 """fully_shard on 4 gloo ranks against one process with the same weights: FSDP over 4 ranks (a
 parameter with 3 rows leaves one rank an empty shard), HSDP on a 2x2 (replicate, shard) mesh, and
-RFC row C15: tensor parallelism on mesh['tp'] first, then FSDP on mesh['dp'] of a 2x2 mesh."""
+RFC row C15: tensor parallelism on mesh['tp'] first, then FSDP on mesh['dp'] of a 2x2 mesh, and HSDP
+with TP on a (2, 1, 2) mesh."""
 
 from __future__ import annotations
 
@@ -51,3 +52,18 @@ def test_C15_tp_then_fsdp_2x2_matches_one_process(pool4: RankPool) -> None:
         for comm in r["comms"]:
             # FSDP's collectives are the same as without TP; TP adds its own all_reduces
             assert comm["all_gather@0"] == 2 * GROUPS - 1 and comm["reduce_scatter@0"] == GROUPS, comm
+
+
+def test_hsdp_with_tp_on_a_3d_mesh(pool4: RankPool) -> None:
+    """(dp_replicate, dp_shard, tp) = (2, 1, 2): TP weights get (tp placement, Replicate, Shard(0))
+    on the ('tp', 'dp_replicate', 'dp_shard') dims; gradients are all-reduced across replicas."""
+    results = pool4.run(run_case, Case(kind="hsdp_tp"))
+    check_numbers(results)
+    for r in results:
+        assert r["placements"]["blocks.0.up.weight"] == ["S(0)", "R", "S(0)"]
+        assert r["mesh_names"]["blocks.0.up.weight"] == ("tp", "dp_replicate", "dp_shard")
+        assert r["placements"]["inp.weight"] == ["R", "S(0)"]
+        for comm in r["comms"]:
+            # a shard group of one rank needs no gather or reduce_scatter: only the replica all_reduce
+            assert "all_gather@0" not in comm and "reduce_scatter@0" not in comm, comm
+            assert comm["all_reduce@0"] >= GROUPS, comm
