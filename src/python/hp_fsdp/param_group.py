@@ -15,7 +15,7 @@ from hp_dtensor.platform import current as _platform
 from hp_fsdp.mesh_info import FSDPMeshInfo
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.policy import MixedPrecisionPolicy
-from hp_fsdp.primitives import FSDPPrimitives, PendingGather, Tensor
+from hp_fsdp.primitives import FSDPPrimitives, Pending, Tensor
 
 
 def prims_grad(prims: FSDPPrimitives, param: Tensor | None) -> Tensor | None:
@@ -48,12 +48,15 @@ class FSDPParamGroup:
         self.param_dtype: object = mp.param_dtype if mp.param_dtype is not None else next(iter(dtypes))
         self.reduce_dtype: object = mp.reduce_dtype if mp.reduce_dtype is not None else self.param_dtype
         self.state = GroupState.SHARDED
-        self._pending: PendingGather | None = None
+        self._pending: Pending | None = None
         self.reduce_grads = True
         self.divide_factor: float | None = None  # None: average over every data-parallel rank
         self.reshard_after_forward = True
         self.grads_ready = 0
         self.in_backward = False
+        self._pending_reduce: Pending | None = None
+        # Groups whose reduce_scatter is in flight, shared by every group under one root.
+        self.reduce_queue: list[FSDPParamGroup] = []
 
     @property
     def needs_grad(self) -> list[FSDPParam]:
@@ -137,14 +140,20 @@ class FSDPParamGroup:
             self.post_backward()
 
     def post_backward(self) -> None:
-        """Reduce the unsharded gradients into the sharded parameters' ``.grad`` (unless gradient
-        sync is off: they then accumulate unsharded until a step that syncs), then reshard."""
+        """Start reducing the unsharded gradients into the sharded parameters' ``.grad`` (unless
+        gradient sync is off: they then accumulate unsharded until a step that syncs), then
+        reshard.  The reduce_scatter runs while backward goes on; ``finish_reduce`` completes it
+        (the root calls it when the next group starts one, and at the end of backward)."""
         self.in_backward = False
         if self.reduce_grads:
-            self._reduce_grads()
+            self._start_reduce()
+            queue = self.reduce_queue
+            queue.append(self)
+            while len(queue) > 1:  # one reduction in flight at a time bounds the memory it holds
+                queue.pop(0).finish_reduce()
         self.reshard()
 
-    def _reduce_grads(self) -> None:
+    def _start_reduce(self) -> None:
         params = self.needs_grad
         grads = [prims_grad(self.prims, p.unsharded_param) for p in params]
         if all(g is None for g in grads):
@@ -160,21 +169,32 @@ class FSDPParamGroup:
                 g = prims.local_of(g)
             locals_.append(g)
         n = self.info.shard_size
-        rows = [p.chunk_rows for p in params]
-        flat = prims.scatter_copy_in(locals_, n, rows, self.reduce_dtype)
-        out = prims.reduce_scatter_sum(flat, self.info.shard_group, n)
+        flat = prims.scatter_copy_in(locals_, n, [p.chunk_rows for p in params], self.reduce_dtype)
+        for p in params:  # the unsharded gradients are in the buffer now: free them
+            if p.unsharded_param is not None:
+                prims.set_grad(p.unsharded_param, None)
+        self._pending_reduce = prims.reduce_scatter_start(flat, self.info.shard_group, n)
+
+    def finish_reduce(self) -> None:
+        """Wait for this group's reduce_scatter, all_reduce across replicas (HSDP), divide and
+        accumulate into the sharded gradients."""
+        pending, self._pending_reduce = self._pending_reduce, None
+        if pending is None:
+            return
+        prims = self.prims
+        params = self.needs_grad
+        out = pending.wait()
         if self.info.is_hybrid:
             out = prims.all_reduce_sum(out, self.info.replicate_group, self.info.replicate_size)
         factor = self.divide_factor if self.divide_factor is not None else float(self.info.dp_size)
         shards = prims.scatter_copy_out(
-            out, rows, [p.shard_shape for p in params], [p.orig_dtype for p in params], 1.0 / factor
+            out, [p.chunk_rows for p in params], [p.shard_shape for p in params],
+            [p.orig_dtype for p in params], 1.0 / factor,
         )
         for p, shard in zip(params, shards):
-            if self.offloaded:
-                shard = prims.to_device(shard, prims.device_of(prims.local_of(p.sharded_param)))
-            if p.unsharded_param is not None:
-                prims.set_grad(p.unsharded_param, None)
             sharded = p.sharded_param
+            if self.offloaded:
+                shard = prims.to_device(shard, prims.device_of(prims.local_of(sharded)))
             existing = prims.get_grad(sharded)
             if existing is None:
                 mesh, placements = sharded.device_mesh, tuple(sharded.placements)

@@ -25,6 +25,7 @@ class RootContext:
 
     states: list[FSDPState]
     forward_order: list[FSDPState] = field(default_factory=list)
+    reduce_queue: list[FSDPParamGroup] = field(default_factory=list)
     order_frozen: bool = False
     backward_queued: bool = False
 
@@ -58,6 +59,8 @@ class FSDPState:
         for st in states:
             st.is_root = st is self
             st.ctx = ctx
+            if st.group is not None:
+                st.group.reduce_queue = ctx.reduce_queue
         # The root's parameters are needed again as soon as backward starts: keep them gathered.
         if self.group is not None and self.auto_reshard:
             self.group.reshard_after_forward = False
@@ -134,5 +137,7 @@ def _finalizer(ctx: RootContext) -> Any:
             if g.in_backward:
                 g.post_backward()
             g.reshard()
+        while ctx.reduce_queue:
+            ctx.reduce_queue.pop(0).finish_reduce()
         ctx.backward_queued = False
     return finish

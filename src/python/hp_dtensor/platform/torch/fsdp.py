@@ -24,7 +24,7 @@ from hp_dtensor.platform.torch.dtensor import DTensor
 
 
 class _Pending:
-    """An all_gather started on gloo's worker threads; ``wait()`` returns the gathered buffer."""
+    """A collective started on the process group's worker threads; ``wait()`` returns its output."""
 
     def __init__(self, work: Any, out: torch.Tensor) -> None:
         self._work = work
@@ -201,10 +201,15 @@ class _TorchFSDP:
         return _Pending(work if async_op else None, out)
 
     @staticmethod
-    def reduce_scatter_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    def reduce_scatter_start(flat: torch.Tensor, group: Any, n: int) -> _Pending:
+        """Start the sum reduce_scatter of ``flat`` (rank-major, ``n`` equal parts); ``wait()``
+        returns this rank's part."""
         if n == 1:
-            return flat
-        return collectives.reduce_scatter(flat, 0, "sum", group, n)
+            return _Pending(None, flat)
+        out = flat.new_empty((flat.numel() // n,))
+        collectives.record("reduce_scatter", flat.numel() * flat.element_size(), n)
+        work = torch.distributed.reduce_scatter_single(out, flat, group=group, async_op=True)
+        return _Pending(work, out)
 
     @staticmethod
     def all_reduce_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:
