@@ -208,3 +208,35 @@ def _nan(rank: int, world: int) -> list[str]:
 def test_nan_propagates_through_max_min_over_shards(pool2: RankPool) -> None:
     for bad in pool2.run(_nan):
         assert not bad, bad
+
+
+def _module_conversions(rank: int, world: int) -> list[str]:
+    import torch
+    from torch import nn
+
+    from hp_dtensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    bad = []
+    for meta in (False, True):
+        torch.manual_seed(0)
+        full = torch.randn(4, 3)
+        lin = nn.Linear(3, 4, device="meta" if meta else "cpu")
+        lin.weight = nn.Parameter(distribute_tensor(full.to(lin.weight.device), mesh, [Shard(0)]))
+        if meta:
+            lin.to_empty(device="cpu")
+            with torch.no_grad():
+                lin.weight.to_local().copy_(full.chunk(world)[rank])
+        lin.double()
+        w = lin.weight
+        if w.dtype != torch.float64 or w.to_local().dtype != torch.float64:
+            bad.append(f"meta={meta}: wrapper {w.dtype}, local {w.to_local().dtype}")
+        elif not torch.equal(w.full_tensor(), full.double()):
+            bad.append(f"meta={meta}: values changed")
+    return bad
+
+
+def test_module_dtype_conversion_converts_the_local_shard(pool2: RankPool) -> None:
+    """``module.double()`` (and ``to_empty``) on DTensor parameters once changed the wrapper's dtype
+    but not its local shard."""
+    assert pool2.run(_module_conversions) == [[], []]

@@ -60,6 +60,19 @@ class DTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    # A traceable wrapper subclass: besides tracing, this makes ``nn.Module._apply`` (``to``,
+    # ``double()``, ``to_empty``) swap whole parameter objects instead of assigning ``.data``, which
+    # would change the wrapper's dtype or device and leave ``_local_tensor`` as it was.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], meta: tuple[DTensorSpec, bool], outer_size: Any, outer_stride: Any
+    ) -> DTensor:
+        spec, requires_grad = meta
+        return DTensor(inner["_local_tensor"], spec, requires_grad=requires_grad)
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         from hp_dtensor.platform.torch.dispatch import dispatch
