@@ -1,7 +1,7 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc,assignment"
 """fully_shard's controls and its failures, on 2 gloo ranks: explicit unshard/reshard, ignored and
-tied parameters, forward without grad, prefetch of the next group, the CPU offload notice, and
-every bad call raising the same documented error on every rank before anything changes."""
+tied parameters, forward without grad, prefetch of the next group, meta-device init with
+``to_empty`` and dtype conversion, the CPU offload notice, and every bad call raising the same documented error on every rank before anything changes."""
 
 from __future__ import annotations
 
@@ -222,3 +222,46 @@ def test_bad_calls_fail_the_same_way_on_every_rank(pool2: RankPool, which: str, 
     results = pool2.run(_bad, which)
     assert all(r.startswith(expect) for r in results), results
     assert len(set(results)) == 1, results
+
+
+def _meta_init(rank: int, world: int) -> dict[str, Any]:
+    from hp_dtensor import distribute_tensor
+
+    from hp_fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = Net()
+    with torch.device("meta"):
+        model = Net()
+    mesh = _mesh(world)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")  # torchtitan's flow: shard on meta, then materialize shards only
+    with torch.no_grad():
+        for p, rp in zip(model.parameters(), ref.parameters()):
+            p.to_local().copy_(distribute_tensor(rp.detach(), p.device_mesh, p.placements).to_local())
+    model.double()
+    ref.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(4, 5, dtype=torch.float64, generator=gen)
+        model(x.chunk(world)[rank]).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    return {
+        "devices": {str(p.to_local().device) for p in model.parameters()},
+        "dtypes": {str(p.dtype) for p in model.parameters()},
+        "err": max(float((p.full_tensor() - rp).abs().max()) for p, rp in zip(model.parameters(), ref.parameters())),
+    }
+
+
+def test_meta_device_init_then_to_empty_and_dtype_conversion(pool2: RankPool) -> None:
+    for r in pool2.run(_meta_init):
+        assert r["devices"] == {"cpu"} and r["dtypes"] == {"torch.float64"}, r
+        assert r["err"] < 1e-12, r

@@ -44,6 +44,18 @@ class FSDPModule:
                 out.append(st)
         return out
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        """After a conversion of the whole module (``to_empty`` after meta-device init, ``to``,
+        ``double()``...), the sharded parameters the modules hold are the new truth: the group
+        takes them and rebuilds its unsharded buffers on the new device and dtype."""
+        group = getattr(self, _STATE).group
+        if group is not None:
+            group.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if group is not None:
+            group.adopt_converted_params()
+        return out
+
     def unshard(self, async_op: bool = False) -> None:
         """Gather this module's parameters now (``async_op``: start it; the next forward or a
         later ``unshard()`` waits for it)."""

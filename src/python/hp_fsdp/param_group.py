@@ -106,6 +106,27 @@ class FSDPParamGroup:
             self.prims.free_storage(p.unsharded_local)
         self.state = GroupState.SHARDED
 
+    def adopt_converted_params(self) -> None:
+        """Take the sharded parameters the owning modules hold now (a module-wide conversion may
+        have replaced them or their data) and drop the unsharded buffers built for the old ones."""
+        prims = self.prims
+        for p in self.params:
+            owner, name = p.owners[0]
+            current = getattr(owner, name)
+            for other, other_name in p.owners[1:]:  # tied owners keep one parameter
+                _platform().share_param(other, other_name, current)
+            p.sharded_param = current
+            p.orig_dtype = prims.dtype_of(current)
+            p.unsharded_param = None
+            p.unsharded_local = None
+            p.hook_handles.clear()  # hooks of the dropped unsharded parameters die with them
+        if self.params:
+            self.compute_device = prims.device_of(prims.local_of(self.params[0].sharded_param))
+            if self.mp.param_dtype is None:
+                self.param_dtype = self.params[0].orig_dtype
+            if self.mp.reduce_dtype is None:
+                self.reduce_dtype = self.param_dtype
+
     def _alloc_unsharded(self, p: FSDPParam) -> None:
         if p.unsharded_local is not None:
             self.prims.alloc_storage(p.unsharded_local)
