@@ -139,6 +139,20 @@ def held_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def _share_bytes(ref: nn.Module, fsdp_mesh: Any) -> int:
+    """This rank's exact share of one copy of the (non-TP) model: dim 0 of every parameter split
+    torch.chunk-style over the shard group."""
+    from hp_dtensor.shard_geometry import chunk_size_and_offset
+
+    n = fsdp_mesh.size(fsdp_mesh.ndim - 1)
+    index = fsdp_mesh.get_local_rank(fsdp_mesh.ndim - 1)
+    total = 0
+    for p in ref.parameters():
+        rows, _start = chunk_size_and_offset(p.shape[0], n, index)
+        total += rows * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+
+
 def run_case(rank: int, world: int, cfg: Case) -> dict[str, Any]:
     from hp_dtensor import CommDebugMode
     from hp_fsdp import MixedPrecisionPolicy, fully_shard
@@ -210,6 +224,7 @@ def run_case(rank: int, world: int, cfg: Case) -> dict[str, Any]:
         "worst": worst, "losses": losses, "ref_losses": ref_losses, "comms": comms,
         "names_match": names == ref_names, "held": held,
         "full_bytes": sum(p.numel() * p.element_size() for p in ref.parameters()),
+        "share_bytes": _share_bytes(ref, fsdp_mesh),
         "placements": {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()},
         "mesh_names": {n: p.device_mesh.mesh_dim_names for n, p in model.named_parameters()},
     }

@@ -22,6 +22,7 @@ def test_fsdp_4_ranks_matches_one_process(pool4: RankPool) -> None:
             assert comm == {"all_gather@0": 2 * GROUPS - 1, "reduce_scatter@0": GROUPS}, comm
     full = results[0]["full_bytes"]
     assert sum(r["held"] for r in results) == 4 * full
+    assert all(r["held"] == 4 * r["share_bytes"] for r in results), [(r["held"], r["share_bytes"]) for r in results]
 
 
 @pytest.mark.parametrize("reshard", [None, False])
@@ -37,6 +38,7 @@ def test_hsdp_2x2_matches_one_process(pool4: RankPool, reshard: bool | None) -> 
     full = results[0]["full_bytes"]
     # each shard group holds one full copy
     assert sum(r["held"] for r in results) == 2 * 4 * full
+    assert all(r["held"] == 4 * r["share_bytes"] for r in results)
 
 
 def test_C15_tp_then_fsdp_2x2_matches_one_process(pool4: RankPool) -> None:

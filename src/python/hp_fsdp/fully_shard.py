@@ -28,6 +28,8 @@ from hp_fsdp.state import FSDPState
 M = TypeVar("M")
 
 _STATE = "_hp_fsdp_state"
+# Notices said once per process (a model calls fully_shard once per block).
+_notices_given: dict[str, bool] = {}
 
 
 class FSDPModule:
@@ -132,11 +134,13 @@ def fully_shard(
     offload_device: object | None = None
     if isinstance(offload, CPUOffloadPolicy) and managed:
         if getattr(compute_device, "type", str(compute_device)) == "cpu":
-            warnings.warn(
-                "CPUOffloadPolicy: the parameters already live in host memory (a CPU job), so there is "
-                "nothing to offload; fully_shard keeps them where they are",
-                UserWarning, stacklevel=2,
-            )
+            if not _notices_given.get("offload_on_cpu"):
+                _notices_given["offload_on_cpu"] = True
+                warnings.warn(
+                    "CPUOffloadPolicy: the parameters already live in host memory (a CPU job), so there is "
+                    "nothing to offload; fully_shard keeps them where they are",
+                    UserWarning, stacklevel=2,
+                )
         else:
             offload_device = "cpu"
     fparams: list[FSDPParam] = [
