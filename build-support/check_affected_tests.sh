@@ -16,7 +16,7 @@ samples=(
   "src/python/hp_dtensor/platform/torch/__init__.py|tests/hp_dtensor tests/hp_dtensor/mindspore tests/hp_fsdp tests/hp_tp tests/hp_tp/mindspore tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hyper_parallel"
   "src/python/hp_dtensor/platform/mindspore/__init__.py|tests/hp_dtensor/mindspore tests/hp_protocols/mindspore tests/hp_tp/mindspore"
   "src/python/hp_tp/__init__.py|tests/hp_fsdp tests/hp_tp tests/hp_tp/mindspore tests/hp_models tests/hyper_parallel"
-  "src/python/hp_fsdp/__init__.py|tests/hp_fsdp tests/hyper_parallel tests/hp_tp/mindspore"
+  "src/python/hp_fsdp/__init__.py|tests/hp_fsdp tests/hp_models tests/hyper_parallel tests/hp_tp/mindspore"
   "src/python/hp_protocols/__init__.py|tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models"
   "src/python/hp_models/__init__.py|tests/hp_models"
   # The MindSpore TP tests import the styles through the umbrella package.

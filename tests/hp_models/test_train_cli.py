@@ -27,10 +27,16 @@ def test_bad_flags_fail_before_starting(argv: list[str], words: list[str], capsy
 
 
 def test_world_size_mismatch(monkeypatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    # 4 launched ranks at tp=2 are a valid FSDP x TP job now; 3 ranks cannot hold tp=2 groups
+    monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit) as info:
         train.main(["--tp", "2"])
-    assert "WORLD_SIZE=4" in str(info.value.code) and "torchrun --nproc-per-node 2" in str(info.value.code)
+    msg = str(info.value.code)
+    assert "launched with WORLD_SIZE=3" in msg and "world_size 3 is not divisible by tensor_parallel" in msg, msg
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as info:
+        train.main(["--tp", "2", "--nproc", "2"])
+    assert "--nproc 2 disagrees with the launcher's ranks" in str(info.value.code)
 
 
 def test_bad_numbers_are_argparse_errors(capsys) -> None:

@@ -1,10 +1,14 @@
-"""Train Qwen3.5 with tensor parallelism on CPU: ``python -m hp_models.train`` (README's main job).
+"""Train Qwen3.5 with FSDP/HSDP and tensor parallelism on CPU: ``python -m hp_models.train`` (README's main job).
 
 With no flags: the built-in tiny config on the synthetic next-token task, tp=2 on 2 CPU ranks
-spawned here (under ``torchrun`` the launcher's ranks are used instead).  Prints a progress bar,
-a summary, writes ``loss.png`` and ``log.json`` to ``--out-dir`` and a checkpoint (HF layout plus
-per-rank optimizer state) to ``--checkpoint-dir``; ``--resume`` continues from it with the same
-losses.
+spawned here (under ``torchrun`` the launcher's ranks are used instead).  ``--job job.yaml`` takes
+a job file's ``parallelism:`` and ``training:`` sections (data_parallel_shard, tensor_parallel,
+reshard_after_forward_policy, disable_gradient_division, global_batch_size, local_batch_size, ...);
+flags given on the command line override it.  World = dp_replicate * dp_shard * tp ranks; each
+data-parallel rank trains on its slice of every global batch, in global_batch_size /
+(local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
+writes ``loss.png`` and ``log.json`` to ``--out-dir`` and a checkpoint (HF layout plus per-rank
+optimizer state) to ``--checkpoint-dir``; ``--resume`` continues from it with the same losses.
 """
 
 from __future__ import annotations
@@ -22,13 +26,27 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from hp_models.job import (
+    DEFAULT_GLOBAL_BATCH_SIZE,
+    ModelSizes,
+    Overrides,
+    TrainLayout,
+    plan,
+    read_job_file,
+    single_process,
+)
+
 
 @dataclass
 class Args:
-    tp: int
+    job: str | None
+    tp: int | None
+    dp_shard: int | None
+    nproc: int | None
     steps: int
     seq_len: int
-    batch_size: int
+    batch_size: int | None  # the global batch size
+    local_batch_size: int | None
     lr: float
     config: str
     out_dir: str
@@ -41,10 +59,22 @@ class Args:
 
 def parse_args(argv: list[str] | None = None) -> Args:
     p = argparse.ArgumentParser(prog="python -m hp_models.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks); default 2")
+    p.add_argument("--job", default=None, help="job YAML with parallelism: and training: sections; flags override it")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (tensor_parallel); default: the job's, or 2 without --job")
+    p.add_argument("--dp-shard", type=int, default=None,
+                   help="data_parallel_shard: ranks a parameter is sharded over; -1 = all data-parallel ranks")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (world size); default: data_parallel_shard * tp, or tp when "
+                        "data_parallel_shard is -1; more ranks than that make replicas (HSDP). Under torchrun: "
+                        "the launcher's WORLD_SIZE")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps (total, also when resuming)")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", "--global-batch-size", dest="batch_size", type=int, default=None,
+                   help=f"samples per optimizer step (global_batch_size); default: the job's, or {DEFAULT_GLOBAL_BATCH_SIZE}")
+    p.add_argument("--local-batch-size", type=int, default=None,
+                   help="samples per rank per forward (local_batch_size); default: the job's, or the global "
+                        "batch over the data-parallel ranks (no accumulation)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--config", default="tiny", help="'tiny' or the path of a HF config.json")
     p.add_argument("--out-dir", default="runs/qwen3_5-tp", help="where loss.png and log.json go")
@@ -52,15 +82,20 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-single", action="store_true", help="also train at tp=1 and report the largest loss gap")
+    p.add_argument("--compare-single", action="store_true",
+                   help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
-    for name in ("tp", "steps", "seq_len", "batch_size", "checkpoint_every"):
-        if getattr(ns, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    for name in ("tp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if ns.dp_shard is not None and ns.dp_shard != -1 and ns.dp_shard < 1:
+        p.error(f"--dp-shard must be -1 or >= 1, got {ns.dp_shard}")
     if ns.lr <= 0:
         p.error(f"--lr must be > 0, got {ns.lr}")
     return Args(
-        tp=ns.tp, steps=ns.steps, seq_len=ns.seq_len, batch_size=ns.batch_size, lr=ns.lr, config=ns.config,
+        job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
+        batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
     )
@@ -74,72 +109,132 @@ def load_config(args: Args) -> Any:
     return Qwen3_5Config.from_json_file(args.config)
 
 
-def check_args(args: Args) -> Any:
+def model_sizes(config: Any) -> ModelSizes:
+    return ModelSizes(num_attention_heads=config.num_attention_heads, num_hidden_layers=config.num_hidden_layers)
+
+
+def overrides(args: Args) -> Overrides:
+    return Overrides(tp=args.tp, dp_shard=args.dp_shard, global_batch_size=args.batch_size,
+                     local_batch_size=args.local_batch_size)
+
+
+def check_args(args: Args) -> tuple[Any, TrainLayout]:
     """Everything that can be wrong before any rank starts; exits with a message saying what to change."""
     from hp_models.qwen3_5 import check_tp_size
 
+    env_world = os.environ.get("WORLD_SIZE")
+    world = int(env_world) if env_world is not None else args.nproc
+    where = f"launched with WORLD_SIZE={env_world}: " if env_world is not None else ""
+    if env_world is not None and args.nproc is not None and args.nproc != world:
+        sys.exit(f"error: {where}--nproc {args.nproc} disagrees with the launcher's ranks; drop --nproc")
     try:
         config = load_config(args)
-        check_tp_size(config, args.tp)
+        raw = read_job_file(args.job) if args.job is not None else None
+        layout = plan(raw, overrides(args), model_sizes(config), world)
+        check_tp_size(config, layout.tp)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    if args.seq_len % args.tp:
-        sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {args.tp} (sequence parallelism)")
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != args.tp:
-        sys.exit(f"error: launched with WORLD_SIZE={world} but --tp {args.tp}; launch --tp ranks (torchrun --nproc-per-node {args.tp})")
+        sys.exit(f"error: {where}{e}")
+    if args.seq_len % layout.tp:
+        sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
     if args.resume and not os.path.exists(os.path.join(args.checkpoint_dir, "state.json")):
         sys.exit(f"error: --resume but no checkpoint in {args.checkpoint_dir!r}; run without --resume first")
-    return config
+    return config, layout
 
 
 # ---------------------------------------------------------------- one rank
-def train(args: Args, config: Any, rank: int, world: int, *, distributed: bool, quiet: bool = False) -> dict[str, Any]:
+def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bool) -> tuple[Any, int]:
+    """The model with the seeded initial weights, then TP and FSDP applied as ``layout`` says
+    (over the meshes built from it), and this rank's data-parallel index."""
     import torch
-    import torch.nn.functional as F
 
-    from hp_models import synthetic
-    from hp_models.qwen3_5 import Qwen3_5StateDictAdapter, parallelize_qwen3_5_tp
+    from hp_models.qwen3_5 import apply_fsdp_qwen3_5, parallelize_qwen3_5_tp
 
     torch.manual_seed(args.seed)
     model = config.build()
     model.init_weights()
-    adapter = Qwen3_5StateDictAdapter(config)
-    mesh = None
-    if distributed:
-        from hp_dtensor import init_device_mesh
+    if not distributed:
+        return model, 0
+    dims = layout.dims
+    dense, _ = dims.build_mesh("cpu")  # (pp, dp_replicate, fsdp, tp)
+    if dims.tp > 1:
+        parallelize_qwen3_5_tp(model, dense["tp"])
+    if layout.uses_fsdp:
+        dp_mesh = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
+        apply_fsdp_qwen3_5(model, dp_mesh, reshard_after_forward=dims.reshard_after_forward,
+                           sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
+    coord = dense.get_coordinate()
+    assert coord is not None
+    return model, coord[1] * dims.dp_shard + coord[2]
 
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        parallelize_qwen3_5_tp(model, mesh)
+
+def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any, *, tp_loss: bool) -> float:
+    """One optimizer step's forward and backward over the global batch ``ids``/``tgt`` (every rank
+    passes the whole batch and takes its rows); returns the mean loss over the global batch.
+    Gradients are left in ``.grad`` for the optimizer: those of the global mean loss."""
+    import torch
+
+    scale = layout.loss_scale()
+    total = 0.0
+    for micro in range(layout.accumulation):
+        rows = layout.samples(dp_rank, micro)
+        if layout.uses_fsdp:
+            # Only the last micro-step's backward reduces the gradients; before it they accumulate locally.
+            model.set_requires_gradient_sync(micro == layout.accumulation - 1)
+        total += _forward_backward(model, ids[rows], tgt[rows], scale, tp_loss=tp_loss)
+    if layout.dp == 1:
+        return total / layout.accumulation
+    import torch.distributed as dist
+
+    # Each rank of a tensor-parallel group holds the same loss: the sum over all ranks is tp times
+    # the sum over the data-parallel ranks.
+    t = torch.tensor([total], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item()) / (layout.world_size * layout.accumulation)
+
+
+def _forward_backward(model: Any, ids: Any, tgt: Any, scale: float, *, tp_loss: bool) -> float:
+    import torch.nn.functional as F
+
+    logits = model(ids)
+    if tp_loss:
+        from hp_tp import loss_parallel
+
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+            (loss * scale if scale != 1.0 else loss).backward()
+        return float(loss.full_tensor().item())  # type: ignore[attr-defined]
+    loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+    (loss * scale if scale != 1.0 else loss).backward()
+    return float(loss.item())
+
+
+def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distributed: bool,
+          quiet: bool = False) -> dict[str, Any]:
+    import torch
+
+    from hp_models import synthetic
+    from hp_models.qwen3_5 import Qwen3_5StateDictAdapter
+
+    model, dp_rank = build_model(args, layout, config, distributed=distributed)
+    adapter = Qwen3_5StateDictAdapter(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, losses = 0, list[float]()
     if args.resume:
-        start, losses = _load_checkpoint(args, adapter, model, opt, rank)
+        start, losses = _load_checkpoint(args, layout, adapter, model, opt, rank)
     show = rank == 0 and not quiet
     t0 = time.perf_counter()
     tokens = 0
     for step in range(start, args.steps):
-        ids, tgt = synthetic.batch(args.seed, step, args.batch_size, args.seq_len, config.vocab_size)
+        ids, tgt = synthetic.batch(args.seed, step, layout.global_batch_size, args.seq_len, config.vocab_size)
         opt.zero_grad()
-        logits = model(ids)
-        if distributed:
-            from hp_tp import loss_parallel
-
-            with loss_parallel():
-                loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
-                loss.backward()
-            value = loss.full_tensor().item()  # type: ignore[attr-defined]
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
-            loss.backward()
-            value = loss.item()
+        value = train_step(model, layout, dp_rank, ids, tgt, tp_loss=distributed and layout.tp > 1)
         opt.step()
         losses.append(value)
         tokens += ids.numel()
         if show:
             _progress(step + 1, args.steps, value, tokens / max(time.perf_counter() - t0, 1e-9))
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
-            _save_checkpoint(args, adapter, model, opt, rank, step + 1, losses, distributed)
+            _save_checkpoint(args, layout, adapter, model, opt, rank, step + 1, losses, distributed)
     if show:
         sys.stderr.write("\n")
     elapsed = time.perf_counter() - t0
@@ -159,8 +254,8 @@ def _progress(step: int, total: int, loss: float, tok_s: float) -> None:
     sys.stderr.flush()
 
 
-def _save_checkpoint(args: Args, adapter: Any, model: Any, opt: Any, rank: int, step: int, losses: list[float],
-                     distributed: bool) -> None:
+def _save_checkpoint(args: Args, layout: TrainLayout, adapter: Any, model: Any, opt: Any, rank: int, step: int,
+                     losses: list[float], distributed: bool) -> None:
     import torch
 
     path = args.checkpoint_dir
@@ -178,17 +273,28 @@ def _save_checkpoint(args: Args, adapter: Any, model: Any, opt: Any, rank: int, 
         dist.barrier()
     if rank == 0:
         with open(os.path.join(path, "state.json"), "w") as f:
-            json.dump({"step": step, "losses": losses, "tp": args.tp, "seed": args.seed}, f)
+            json.dump({"step": step, "losses": losses, "seed": args.seed, **_ranks_of(layout)}, f)
 
 
-def _load_checkpoint(args: Args, adapter: Any, model: Any, opt: Any, rank: int) -> tuple[int, list[float]]:
+def _ranks_of(layout: TrainLayout) -> dict[str, int]:
+    """How the optimizer state is split over ranks: a resume needs the same split."""
+    d = layout.dims
+    return {"tp": d.tp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard}
+
+
+def _load_checkpoint(args: Args, layout: TrainLayout, adapter: Any, model: Any, opt: Any,
+                     rank: int) -> tuple[int, list[float]]:
     import torch
 
     path = args.checkpoint_dir
     with open(os.path.join(path, "state.json")) as f:
         meta = json.load(f)
-    if meta["tp"] != args.tp:
-        raise ValueError(f"checkpoint in {path!r} was written at tp={meta['tp']}; resume with --tp {meta['tp']}")
+    saved_ranks = {"dp_replicate": 1, "dp_shard": 1, **{k: meta[k] for k in ("tp", "dp_replicate", "dp_shard") if k in meta}}
+    if saved_ranks != _ranks_of(layout):
+        flags = f"--tp {saved_ranks['tp']} --dp-shard {saved_ranks['dp_shard']} --nproc " + str(
+            saved_ranks["tp"] * saved_ranks["dp_shard"] * saved_ranks["dp_replicate"])
+        raise ValueError(f"checkpoint in {path!r} was written with {saved_ranks}, this run has {_ranks_of(layout)}; "
+                         f"resume with the same layout ({flags})")
     adapter.load_into(model, path)
     saved = torch.load(os.path.join(path, f"optimizer-rank{rank}.pt"))
     for i, group in enumerate(opt.param_groups):
@@ -209,26 +315,27 @@ def _load_checkpoint(args: Args, adapter: Any, model: Any, opt: Any, rank: int) 
 
 
 # ---------------------------------------------------------------- launching
-def _worker(rank: int, world: int, args: Args, store: str, results: Any) -> None:
+def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, results: Any) -> None:
     try:
         from hp_dtensor.platform import current
 
         plat = current()
         plat.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         plat.init_rank("gloo", store, rank, world, timeout_s=600)
-        out = train(args, load_config(args), rank, world, distributed=True)
+        out = train(args, layout, load_config(args), rank, distributed=True)
         plat.destroy()
         results.put((rank, True, out if rank == 0 else None))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_spawned(args: Args) -> dict[str, Any]:
+def run_spawned(args: Args, layout: TrainLayout) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="hp-train-")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.tp, args, os.path.join(folder, "store"), results))
-             for r in range(args.tp)]
+    world = layout.world_size
+    procs = [ctx.Process(target=_worker, args=(r, world, args, layout, os.path.join(folder, "store"), results))
+             for r in range(world)]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for p in procs:
         p.start()
@@ -250,35 +357,37 @@ def run_spawned(args: Args) -> dict[str, Any]:
     return out
 
 
-def write_outputs(args: Args, config: Any, result: dict[str, Any], single: list[float] | None) -> dict[str, Any]:
+def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str, Any],
+                  single: list[float] | None) -> dict[str, Any]:
     os.makedirs(args.out_dir, exist_ok=True)
     losses = result["losses"]
     log = {
-        "config": args.config, "tp": args.tp, "steps": args.steps, "seq_len": args.seq_len,
-        "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "parameters": result["nparams"],
-        "losses": losses, "first_loss": losses[0], "final_loss": losses[-1],
+        "config": args.config, "job": args.job, "tp": layout.tp, "steps": args.steps, "seq_len": args.seq_len,
+        "batch_size": layout.global_batch_size, "parallelism": layout.as_dict(), "lr": args.lr, "seed": args.seed,
+        "parameters": result["nparams"], "losses": losses, "first_loss": losses[0], "final_loss": losses[-1],
         "elapsed_s": result["elapsed_s"], "tokens_per_s": result["tokens"] / max(result["elapsed_s"], 1e-9),
         "resumed_from_step": result["start_step"],
     }
     if single is not None:
         log["single_losses"] = single
         log["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(losses, single))
+        log["max_loss_rel_diff_vs_single"] = max(abs(a - b) / abs(b) for a, b in zip(losses, single))
     with open(os.path.join(args.out_dir, "log.json"), "w") as f:
         json.dump(log, f, indent=2)
-    _plot(args, losses, single, config.vocab_size)
+    _plot(args, layout, losses, single, config.vocab_size)
     return log
 
 
-def _plot(args: Args, losses: list[float], single: list[float] | None, vocab: int) -> None:
+def _plot(args: Args, layout: TrainLayout, losses: list[float], single: list[float] | None, vocab: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, label=f"tp={args.tp}")
+    ax.plot(range(1, len(losses) + 1), losses, label=layout.describe())
     if single is not None:
-        ax.plot(range(1, len(single) + 1), single, "--", label="tp=1")
+        ax.plot(range(1, len(single) + 1), single, "--", label="1 process")
     ax.axhline(math.log(vocab), color="grey", lw=0.5, ls=":", label="ln(vocab): chance")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -291,33 +400,38 @@ def _plot(args: Args, losses: list[float], single: list[float] | None, vocab: in
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    config = check_args(args)
+    config, layout = check_args(args)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         from hp_dtensor.platform import current
 
         current().ensure_process_group("cpu")
         rank = int(os.environ["RANK"])
-        result = train(args, config, rank, args.tp, distributed=args.tp > 1)
+        result = train(args, layout, config, rank, distributed=layout.world_size > 1)
         if rank != 0:
             return 0
-    elif args.tp == 1:
-        result = train(args, config, 0, 1, distributed=False)
+    elif layout.world_size == 1:
+        result = train(args, layout, config, 0, distributed=False)
     else:
-        result = run_spawned(args)
+        result = run_spawned(args, layout)
     single = None
     if args.compare_single:
-        single_args = Args(**{**args.__dict__, "tp": 1, "resume": False,
-                              "checkpoint_dir": os.path.join(args.out_dir, "checkpoint-tp1")})
-        single = train(single_args, config, 0, 1, distributed=False, quiet=True)["losses"]
+        one = single_process(layout, model_sizes(config))
+        single_args = Args(**{**args.__dict__, "resume": False,
+                              "checkpoint_dir": os.path.join(args.out_dir, "checkpoint-single")})
+        single = train(single_args, one, config, 0, distributed=False, quiet=True)["losses"]
         single = single[-len(result["losses"]):]
-    log = write_outputs(args, config, result, single)
-    print(f"\nQwen3.5 ({args.config}, {log['parameters']:,} parameters) trained with tp={args.tp}")
+    log = write_outputs(args, layout, config, result, single)
+    print(f"\nQwen3.5 ({args.config}, {log['parameters']:,} parameters) trained with {layout.describe()}")
     first = result["losses"][result["start_step"]]
     print(f"  steps {result['start_step'] + 1}-{args.steps}: loss {first:.4f} -> {log['final_loss']:.4f}")
+    if layout.dp > 1:
+        print(f"  global batch {layout.global_batch_size} = data_parallel {layout.dp} x local batch "
+              f"{layout.local_batch_size} x {layout.accumulation} accumulation step(s)")
     print(f"  {log['tokens_per_s']:,.0f} tokens/s, {log['elapsed_s']:.1f} s")
     if single is not None:
-        print(f"  largest |loss(tp={args.tp}) - loss(tp=1)| over the run: {log['max_loss_diff_vs_single']:.2e}")
+        print(f"  largest |loss({layout.describe()}) - loss(1 process)| over the run: "
+              f"{log['max_loss_diff_vs_single']:.2e}")
     print(f"  wrote {os.path.join(args.out_dir, 'loss.png')}, {os.path.join(args.out_dir, 'log.json')}, "
           f"checkpoint in {args.checkpoint_dir}")
     return 0

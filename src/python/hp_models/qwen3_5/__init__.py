@@ -1,6 +1,7 @@
 """Qwen3.5 dense text model, its tensor-parallel plan and its HF checkpoint adapter."""
 
 from hp_models.qwen3_5.config import Qwen3_5Config, reference_config, tiny_config
+from hp_models.qwen3_5.fsdp import apply_fsdp_qwen3_5
 from hp_models.qwen3_5.model import Qwen3_5ForCausalLM
 from hp_models.qwen3_5.parallelize import check_tp_size, parallelize_qwen3_5_tp
 from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
@@ -16,6 +17,6 @@ MODEL_SPEC = register_model_spec(
 )
 
 __all__ = [
-    "MODEL_SPEC", "Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5StateDictAdapter", "check_tp_size",
-    "parallelize_qwen3_5_tp", "reference_config", "tiny_config",
+    "MODEL_SPEC", "Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5StateDictAdapter", "apply_fsdp_qwen3_5",
+    "check_tp_size", "parallelize_qwen3_5_tp", "reference_config", "tiny_config",
 ]

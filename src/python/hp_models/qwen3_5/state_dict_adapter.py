@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from hp_dtensor import DTensor, Shard
+from hp_dtensor import DTensor
+from hp_dtensor.shard_geometry import local_shape_and_offset
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_protocols import BaseStateDictAdapter
 
@@ -195,18 +196,15 @@ def _checkpoint_files(path: str) -> list[str]:
 
 
 def _local_index(param: Any, row_offset: int) -> tuple[slice, ...]:
-    """Slices of the (HF) tensor holding this rank's shard of ``param``."""
-    shape = tuple(param.shape)
+    """Slices of the (HF) tensor holding this rank's shard of ``param``.  Several mesh dims may
+    shard one tensor dim (FSDP's ``Shard(0)`` on top of a TP ``Shard(0)``): each splits what the
+    earlier ones left, as ``torch.chunk`` would."""
+    shape = tuple(int(n) for n in param.shape)
     index = [slice(0, n) for n in shape]
     if isinstance(param, DTensor):
         coord = param.device_mesh.get_coordinate()
         assert coord is not None
-        for k, p in enumerate(param.placements):
-            if isinstance(p, Shard):
-                # torch.chunk's split: the first ranks hold ceil(n / ranks) rows, later ones fewer.
-                n, ranks = shape[p.dim], param.device_mesh.size(k)
-                start = min(coord[k] * -(-n // ranks), n)
-                size = param._local_tensor.shape[p.dim]
-                index[p.dim] = slice(start, start + size)
+        sizes, starts = local_shape_and_offset(shape, param.device_mesh.shape, param.placements, coord)
+        index = [slice(start, start + size) for start, size in zip(starts, sizes)]
     index[0] = slice(index[0].start + row_offset, index[0].stop + row_offset)
     return tuple(index)

@@ -1,0 +1,215 @@
+"""How a training run is laid out over ranks: a job file's ``parallelism:`` and ``training:``
+sections, overridden by command-line flags, resolved into the numbers the trainer uses.
+
+Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
+every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
+yet (context, pipeline and expert parallelism) and a global batch that the data-parallel ranks
+and accumulation steps would not consume exactly, so no run trains on a batch other than the one
+asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hp_protocols import JobConfig
+from hp_protocols.parallelism import ParallelDims
+
+DEFAULT_GLOBAL_BATCH_SIZE = 8
+DEFAULT_TP = 2  # without a job file: the README's main job
+
+# Degrees the config accepts but this trainer does not build yet: (field, what it is).
+_NOT_BUILT = (
+    ("context_parallel", "context parallelism"),
+    ("pipeline_parallel", "pipeline parallelism"),
+    ("expert_parallel", "expert parallelism"),
+)
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Command-line values that replace the job file's (None: keep the file's, or the default)."""
+
+    tp: int | None = None
+    dp_shard: int | None = None
+    global_batch_size: int | None = None
+    local_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the parallelism rules need to know about the model actually built."""
+
+    num_attention_heads: int
+    num_hidden_layers: int
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """A validated layout: derived sizes, batch sizes and the data-parallel gradient policy."""
+
+    dims: ParallelDims
+    global_batch_size: int
+    local_batch_size: int
+    sum_gradients: bool  # disable_gradient_division: data-parallel gradients are summed, not averaged
+    cpu_offload: bool
+    reshard_after_forward_policy: str
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks (replicas times shards): how many ways each step's batch is split."""
+        return self.dims.data_parallel
+
+    @property
+    def accumulation(self) -> int:
+        assert self.dims.num_accumulation_steps is not None
+        return self.dims.num_accumulation_steps
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Gradients must be combined across data-parallel ranks: ``fully_shard`` does it (HSDP with
+        a shard group of one rank when only ``dp_replicate`` > 1)."""
+        return self.dp > 1
+
+    def loss_scale(self) -> float:
+        """The factor each micro-step's mean loss is multiplied by before backward, so that the
+        gradients after the data-parallel reduction and the accumulation equal those of the mean
+        loss over the whole global batch on one process.
+
+        Accumulation adds ``accumulation`` micro-step gradients.  With ``sum_gradients`` the
+        reduction adds the gradients of every data-parallel rank, so the loss is also divided by
+        their number, the ranks that each computed a loss on their own samples.  (The ranks of one
+        tensor-parallel group share a single loss, a replicated DTensor whose backward already
+        gives every rank its exact gradient, so they are not counted again.)  Without
+        ``sum_gradients`` ``fully_shard`` averages over those ranks itself."""
+        ranks = self.dp if self.sum_gradients and self.uses_fsdp else 1
+        return 1.0 / (ranks * self.accumulation)
+
+    def samples(self, dp_rank: int, micro_step: int) -> slice:
+        """The rows of the step's global batch that data-parallel rank ``dp_rank`` consumes in
+        ``micro_step``: every (micro-step, rank) pair gets its own ``local_batch_size`` rows."""
+        if not 0 <= dp_rank < self.dp or not 0 <= micro_step < self.accumulation:
+            raise ValueError(f"dp_rank {dp_rank} / micro_step {micro_step} out of range for {self.dp} x {self.accumulation}")
+        start = (micro_step * self.dp + dp_rank) * self.local_batch_size
+        return slice(start, start + self.local_batch_size)
+
+    def describe(self) -> str:
+        d = self.dims
+        if self.dp == 1:
+            return f"tp={d.tp}"
+        parts = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + [f"dp_shard={d.dp_shard}", f"tp={d.tp}"]
+        return f"{', '.join(parts)} on {d.world_size} ranks"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.dims
+        return {
+            "world_size": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+            "global_batch_size": self.global_batch_size, "local_batch_size": self.local_batch_size,
+            "accumulation_steps": self.accumulation, "sum_gradients": self.sum_gradients,
+            "reshard_after_forward": d.reshard_after_forward,
+        }
+
+
+def read_job_file(path: str) -> dict[str, Any]:
+    """The raw mapping of a YAML job file; ``ValueError`` when it is missing or not a mapping."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ValueError(f"job file {path!r} does not exist")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"job file {path!r} is not valid YAML: {e}") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"job file {path!r} must be a mapping with parallelism: and training: sections")
+    return raw
+
+
+def plan(
+    raw: dict[str, Any] | None, overrides: Overrides, model: ModelSizes, world_size: int | None = None
+) -> TrainLayout:
+    """Resolve a job (``raw``: the job file's mapping, None without one) with ``overrides`` for
+    ``world_size`` ranks (None: the ranks the job names, i.e. ``data_parallel_shard * tp`` with no
+    replicas, or ``tp`` when ``data_parallel_shard`` is -1).  Raises ``ValueError`` saying what to
+    change."""
+    job = copy.deepcopy(raw) if raw is not None else {}
+    if not isinstance(job.get("parallelism") or {}, dict) or not isinstance(job.get("training") or {}, dict):
+        raise ValueError("the job's parallelism: and training: sections must be mappings")
+    par = dict(job.get("parallelism") or {})
+    train = dict(job.get("training") or {})
+    if raw is None and overrides.tp is None:
+        par["tensor_parallel"] = DEFAULT_TP
+    if overrides.tp is not None:
+        par["tensor_parallel"] = overrides.tp
+    if overrides.dp_shard is not None:
+        par["data_parallel_shard"] = overrides.dp_shard
+    if overrides.global_batch_size is not None:
+        train["global_batch_size"] = overrides.global_batch_size
+    if overrides.local_batch_size is not None:
+        train["local_batch_size"] = overrides.local_batch_size
+    train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
+    job["parallelism"], job["training"] = par, train
+    job["model"] = _model_facts(dict(job.get("model") or {}), model)
+
+    for key, what in _NOT_BUILT:
+        value = par.get(key, 1)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ValueError(
+                f"{key}={value!r}: {what} is not built in this trainer yet; set {key}: 1 "
+                f"(built: data_parallel_shard, dp_replicate through world size, tensor_parallel)"
+            )
+    config = JobConfig.from_dict(job)  # unknown keys and wrong types fail here, naming them
+    p = config.parallelism
+    if world_size is None:
+        shard = p.data_parallel_shard
+        world_size = p.tensor_parallel * (shard if isinstance(shard, int) and shard > 0 else 1)
+    if "local_batch_size" not in train:
+        # No accumulation unless asked for: each data-parallel rank takes its share of the batch.
+        data_parallel = world_size // p.tensor_parallel if p.tensor_parallel > 0 else 0
+        if data_parallel > 0 and isinstance(config.training.global_batch_size, int):
+            config.training.local_batch_size = max(1, config.training.global_batch_size // data_parallel)
+    dims = config.resolve(world_size)
+    gbs, lbs = config.training.global_batch_size, config.training.local_batch_size
+    assert gbs is not None and dims.num_accumulation_steps is not None
+    consumed = dims.data_parallel * lbs * dims.num_accumulation_steps
+    if consumed != gbs:
+        raise ValueError(
+            f"global_batch_size {gbs} is not a multiple of data_parallel * local_batch_size = "
+            f"{dims.data_parallel} * {lbs} = {dims.data_parallel * lbs}: a step would consume {consumed} "
+            f"samples; pick sizes where it divides"
+        )
+    return TrainLayout(
+        dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
+        cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy,
+    )
+
+
+def _model_facts(facts: dict[str, Any], model: ModelSizes) -> dict[str, Any]:
+    """The job's ``model:`` facts, filled from the model built; a fact that disagrees with it is an
+    error (the rules would be checked against a model that is not the one trained)."""
+    for key in ("num_attention_heads", "num_hidden_layers"):
+        have = getattr(model, key)
+        if key in facts and facts[key] != have:
+            raise ValueError(f"the job's model.{key} is {facts[key]!r} but the model being trained has {have}")
+        facts[key] = have
+    return facts
+
+
+def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
+    """The same global batch on one process, in one forward per step: the reference run."""
+    g = layout.global_batch_size
+    return plan(None, Overrides(tp=1, dp_shard=1, global_batch_size=g, local_batch_size=g), model, world_size=1)
