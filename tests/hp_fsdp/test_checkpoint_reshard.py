@@ -11,7 +11,6 @@ another (a different parallelism reduces in another order)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
