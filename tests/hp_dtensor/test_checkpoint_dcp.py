@@ -268,3 +268,39 @@ def test_bad_loads_fail_on_every_rank_naming_the_tensor(pool4: RankPool, tmp_pat
             assert all(w in msg for w in words), (case, rank, msg)
         assert len({r[case] for r in results}) == 1, (case, [r[case] for r in results])
     assert all(r["after"][0] == "ok" for r in results)
+
+
+def _odd_inputs(rank: int, world: int, root: str) -> dict[str, bool]:
+    """Non-contiguous shards (a transposed DTensor), a 0-dim DTensor, an empty tensor and a
+    tensor inside a list survive a save and a load into other layouts."""
+    import torch
+
+    from hp_dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    from hp_dtensor.checkpoint import load, save
+
+    mesh = init_device_mesh("cpu", (4,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    base = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    t = distribute_tensor(base, mesh, [Shard(0)], src_data_rank=None).t()  # (5, 7), Shard(1), a view
+    scalar = distribute_tensor(torch.tensor(3.25), mesh, [Replicate()], src_data_rank=None)
+    empty = distribute_tensor(torch.zeros(0, 5), mesh2, [Shard(1), Shard(1)], src_data_rank=None)
+    path = os.path.join(root, "odd")
+    save({"t": t, "s": scalar, "e": empty, "l": [distribute_tensor(base, mesh, [Shard(1)], src_data_rank=None)]}, path)
+    t2 = distribute_tensor(torch.zeros(7, 5), mesh2, [Shard(1), Shard(0)], src_data_rank=None).t()
+    s2 = distribute_tensor(torch.tensor(0.0), mesh2, [Replicate(), Replicate()], src_data_rank=None)
+    e2 = distribute_tensor(torch.ones(0, 5), mesh, [Shard(0)], src_data_rank=None)
+    l2 = distribute_tensor(torch.zeros(7, 5), mesh2, [Shard(0), Shard(0)], src_data_rank=None)
+    target = {"t": t2, "s": s2, "e": e2, "l": [l2]}
+    load(target, path)
+    return {
+        "transposed_view": not t._local_tensor.is_contiguous() and torch.equal(t2.full_tensor(), base.t()),
+        "scalar": float(s2.full_tensor()) == 3.25,
+        "empty": tuple(e2.shape) == (0, 5),
+        "in_list": torch.equal(target["l"][0].full_tensor(), base),
+    }
+
+
+def test_odd_inputs_roundtrip(pool4: RankPool, tmp_path: Any) -> None:
+    results = pool4.run(_odd_inputs, str(tmp_path))
+    for r in results:
+        assert all(r.values()), r
