@@ -196,18 +196,19 @@ def _interop(root: str, seed: int) -> int:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_generated_layouts_roundtrip_bit_exact(pool4: RankPool, tmp_path: Any, seed: int) -> None:
+def test_generated_layouts_roundtrip_bit_exact(pool4: RankPool, tmp_path: Any, seed: int, capsys: Any) -> None:
     results = pool4.run(_roundtrip, str(tmp_path), seed)
     total = sum(r["tensors"] for r in results)
     bad = sum(r["mismatches"] for r in results)
     n_tensors, n_chunks = _check_metadata(str(tmp_path), seed)
     checked = _interop(str(tmp_path), seed)
-    print(
-        f"seed {seed}: {CHECKPOINTS} checkpoints, {n_tensors} tensors saved as {n_chunks} chunks; "
-        f"{total} (tensor, rank) loads, {bad} mismatches, {sum(r['empty_shards'] for r in results)} "
-        f"empty target shards, {sum(r['nested'] for r in results)} nested-shard targets; "
-        f"{checked} read back by dcp_to_torch_save"
-    )
+    with capsys.disabled():  # the size of the proof shows in every run
+        print(
+            f"\ncheckpoint layouts, seed {seed}: {CHECKPOINTS} checkpoints, {n_tensors} tensors saved as "
+            f"{n_chunks} chunks; {total} (tensor, rank) loads, {bad} mismatches, "
+            f"{sum(r['empty_shards'] for r in results)} empty target shards, "
+            f"{sum(r['nested'] for r in results)} nested-shard targets; {checked} read back by dcp_to_torch_save"
+        )
     assert total == 4 * CHECKPOINTS * TENSORS and bad == 0
     assert n_tensors == CHECKPOINTS * TENSORS == checked
     assert sum(r["empty_shards"] for r in results) > 0 and sum(r["nested"] for r in results) > 0

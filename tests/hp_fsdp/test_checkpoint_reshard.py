@@ -162,21 +162,22 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("layout", ["dp2_tp2", "tp4", "dp4", "hsdp2x2"])
-def test_resume_at_another_parallelism(pool4: RankPool, saved: dict[str, Any], layout: str) -> None:
+def test_resume_at_another_parallelism(pool4: RankPool, saved: dict[str, Any], layout: str, capsys: Any) -> None:
     results = pool4.run(_resume, layout, saved["path"])
     pl = results[0]["placements"]
     assert (pl["blocks.0.up.weight"], pl["inp.weight"]) == PLACEMENTS[layout], pl
     bad = _diff(results[0]["snap"], saved["snap"])
     ours, ref = _global(results, "after"), saved["after"]
     worst = max(abs(a - b) / (1e-6 + RTOL * abs(b)) for a, b in zip(ours, ref))
-    print(f"{layout}: {len(saved['snap'])} tensors loaded, {len(bad)} not bit-equal; losses {ours} vs {ref}")
+    with capsys.disabled():
+        print(f"\nresumed at {layout}: {len(saved['snap'])} tensors loaded, {len(bad)} not bit-equal; losses {ours} vs {ref}")
     assert not bad, bad
     if layout == "dp2_tp2":
         assert ours == ref  # same parallelism: the resumed run is the uninterrupted one, bit for bit
     assert worst <= 1.0, (ours, ref)
 
 
-def test_resume_on_one_process(saved: dict[str, Any], tmp_path: Any) -> None:
+def test_resume_on_one_process(saved: dict[str, Any], tmp_path: Any, capsys: Any) -> None:
     """torch's own converter reads the sharded checkpoint into plain tensors; a plain model and
     AdamW take it through the FQN-keyed helpers and continue the loss curve."""
     import torch
@@ -195,7 +196,8 @@ def test_resume_on_one_process(saved: dict[str, Any], tmp_path: Any) -> None:
     snap = _snapshot(model, opt)
     bad = _diff(snap, saved["snap"])
     losses = _train(model, opt, 1, 0, range(SAVE_AT, SAVE_AT + AFTER))
-    print(f"one process: {len(snap)} tensors, {len(bad)} not bit-equal; losses {losses} vs {saved['after']}")
+    with capsys.disabled():
+        print(f"\nresumed on one process: {len(snap)} tensors, {len(bad)} not bit-equal; losses {losses} vs {saved['after']}")
     assert not bad, bad
     for a, b in zip(losses, saved["after"]):
         assert abs(a - b) <= 1e-6 + RTOL * abs(b), (losses, saved["after"])
