@@ -3,6 +3,8 @@
 from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
+from hp_dtensor.platform.torch.dcp import load as dcp_load
+from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
 from hp_dtensor.platform.torch.loss_parallel import loss_parallel
@@ -46,6 +48,12 @@ from hp_dtensor.platform.torch.process_group import (
     is_initialized,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
+from hp_dtensor.platform.torch.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 NAME = "torch"
 
@@ -62,5 +70,6 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
-    "FORWARD", "add_child", "parameters", "register_buffer", "register_param", "state_dict",
+    "FORWARD", "add_child", "dcp_load", "dcp_save", "get_model_state_dict", "get_optimizer_state_dict",
+    "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",
 ]

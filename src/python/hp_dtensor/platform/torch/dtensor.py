@@ -85,6 +85,22 @@ class DTensor(torch.Tensor):
             f"placements={self._spec.placements})"
         )
 
+    # ----- torch.distributed.checkpoint extension hooks (see dcp.py) -----
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        from hp_dtensor.platform.torch import dcp
+
+        return dcp.create_write_items(self._local_tensor, self._spec, fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from hp_dtensor.platform.torch import dcp
+
+        return dcp.create_chunk_list(self._spec)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        from hp_dtensor.platform.torch import dcp
+
+        return dcp.get_tensor_shard(self._local_tensor, self._spec, index)
+
     # ----- public API -----
     @property
     def placements(self) -> tuple[Placement, ...]:

@@ -1,0 +1,140 @@
+"""``torch.distributed.checkpoint`` (DCP) support for our DTensor, and checked save/load.
+
+DCP asks a tensor subclass three things through its extension hooks: which boxes this rank writes
+(``__create_write_items__``), which boxes it needs on load (``__create_chunk_list__``) and the
+local tensor behind a box (``__get_tensor_shard__``).  Answering them from the DTensor's spec makes
+``dcp.save`` write each rank's own shard once (replicas deduplicated) and ``dcp.load`` read exactly
+this rank's slice of any saved layout.  ``load`` adds what DCP's default planner leaves out: a
+dtype check (DCP would cast silently), and one error naming the tensor raised on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+
+from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, check_no_partial, shard_box, writes_box
+from hp_dtensor.dtensor_spec import DTensorSpec
+
+
+def _box(spec: DTensorSpec) -> ShardBox | None:
+    coord = spec.mesh.get_coordinate()
+    if coord is None:  # this rank is outside the DTensor's mesh: it holds nothing
+        return None
+    return shard_box(spec.shape, spec.mesh.shape, spec.placements, coord)
+
+
+def create_write_items(local: torch.Tensor, spec: DTensorSpec, fqn: str) -> list[WriteItem]:
+    """The one box this rank writes for ``fqn``, or none (another replica writes it, or it is empty)."""
+    coord = spec.mesh.get_coordinate()
+    if coord is None or not writes_box(fqn, spec.shape, spec.mesh.shape, spec.placements, coord):
+        return []
+    box = shard_box(spec.shape, spec.mesh.shape, spec.placements, coord)
+    offsets = torch.Size(box.offsets)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.sizes)),
+                properties=TensorProperties.create_from_tensor(local),
+                size=torch.Size(spec.shape),
+            ),
+        )
+    ]
+
+
+def create_chunk_list(spec: DTensorSpec) -> list[ChunkStorageMetadata]:
+    """The box this rank loads (empty boxes overlap nothing, so they read nothing)."""
+    check_no_partial("<being loaded>", spec.placements)
+    box = _box(spec)
+    if box is None:
+        return []
+    return [ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))]
+
+
+def get_tensor_shard(local: torch.Tensor, spec: DTensorSpec, index: MetadataIndex) -> torch.Tensor:
+    """The local tensor holding the box that starts at ``index.offset``."""
+    box = _box(spec)
+    if box is None or (index.offset is not None and tuple(index.offset) != box.offsets):
+        raise CheckpointError(
+            f"checkpoint: {index.fqn!r} has no local shard at offset {index.offset} on this rank "
+            f"(its shard starts at {None if box is None else box.offsets})"
+        )
+    return local
+
+
+class CheckedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus: every tensor's global shape and dtype must match the
+    checkpoint, and no target may be ``Partial``; errors name the tensor."""
+
+    def create_local_plan(self) -> LoadPlan:
+        from hp_dtensor.platform.torch.dtensor import DTensor
+
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if md is None:
+                if self.allow_partial_load:
+                    continue
+                near = sorted(saved)[:8]
+                raise CheckpointError(
+                    f"checkpoint has no entry {fqn!r} (it holds {len(saved)} entries, e.g. {near}); "
+                    f"pass strict=False to load the entries it has"
+                )
+            if not isinstance(obj, torch.Tensor):
+                continue
+            if isinstance(md, BytesStorageMetadata):
+                raise CheckpointError(
+                    f"checkpoint entry {fqn!r} is a Python object, but the state dict expects a tensor "
+                    f"of shape {tuple(obj.shape)}"
+                )
+            if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
+                raise CheckpointError(
+                    f"checkpoint entry {fqn!r} is {md.properties.dtype} of global shape {tuple(md.size)}, "
+                    f"but the state dict expects {obj.dtype} of global shape {tuple(obj.shape)}"
+                )
+            if isinstance(obj, DTensor):
+                check_no_partial(fqn, obj.placements)
+        return super().create_local_plan()
+
+
+def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> CheckpointError:
+    """DCP gathers every rank's failure and raises the same ``CheckpointException`` (a
+    ``BaseException``) everywhere; turn it into one ``CheckpointError`` naming the first failure."""
+    failures = exc.failures
+    first = min(failures)
+    err = failures[first]
+    inner = err[0] if isinstance(err, tuple) else err
+    return CheckpointError(f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}: {inner}")
+
+
+def save(state_dict: dict[str, Any], checkpoint_id: Any) -> None:
+    """``dcp.save``: every rank writes its own shards of ``state_dict`` under ``checkpoint_id``."""
+    try:
+        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint save to", checkpoint_id) from None
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True) -> None:
+    """``dcp.load`` in place into ``state_dict`` (each DTensor reads only its own slice, whatever
+    layout saved it), after checking keys, global shapes and dtypes; raises ``CheckpointError``
+    on every rank naming the first offending tensor.  ``strict=False`` skips keys the checkpoint
+    lacks."""
+    try:
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=CheckedLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint load from", checkpoint_id) from None
