@@ -105,7 +105,7 @@ def _shard(full: torch.Tensor, mesh: Any, placements: tuple[Any, ...], gen: torc
 def _gen_case(rng: random.Random, meshes: list[tuple[str, Any]]) -> dict[str, Any]:
     nparams = rng.randint(1, 6)
     dtype = torch.float32 if rng.random() < 0.25 else torch.float64
-    params = []
+    params: list[dict[str, Any]] = []
     for _ in range(nparams):
         ndim = rng.choice([0, 1, 1, 2, 2, 2, 3])
         shape = tuple(rng.choice([1, 2, 3, 4, 5, 7, 9]) for _ in range(ndim))
@@ -127,9 +127,8 @@ def _gen_case(rng: random.Random, meshes: list[tuple[str, Any]]) -> dict[str, An
 
 def _one_case(seed: int, meshes: list[tuple[str, Any]]) -> dict[str, Any]:
     """Run one generated case; raise AssertionError naming the seed on any mismatch."""
-    from hp_dtensor import DTensor, Replicate, distribute_tensor
-
     import hp_fsdp
+    from hp_dtensor import DTensor, Replicate, distribute_tensor
 
     rng = random.Random(seed)
     case = _gen_case(rng, meshes)
@@ -256,9 +255,8 @@ def _nonfinite_on_each_rank(rank: int, world: int) -> list[tuple[Any, ...]]:
     """A NaN (or inf) in the data of one rank at a time -- in a Shard(0) gradient's shard, or in
     one summand of a Partial gradient -- under norms whose reduction is a max, a min or a sum:
     gloo's own float MAX/MIN keep a NaN only when rank 0 holds it."""
-    from hp_dtensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-
     import hp_fsdp
+    from hp_dtensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("w",))
     out = []
@@ -273,7 +271,7 @@ def _nonfinite_on_each_rank(rank: int, world: int) -> list[tuple[Any, ...]]:
                         if which == "shard":
                             full[2 * owner, 1] = bad
                             local = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local().clone()
-                            pl = [Shard(0)]
+                            pl: list[Any] = [Shard(0)]
                         else:  # rank r holds full/w, ``owner`` has the bad value in one element
                             local = full / world
                             if rank == owner:
@@ -357,9 +355,8 @@ def _fully_sharded(rank: int, world: int, kind: str) -> list[dict[str, Any]]:
     torch's clip_grad_norm_ on the one-process module (float64, same weights, whole batch)."""
     import copy
 
-    from hp_dtensor import CommDebugMode, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
-
     import hp_fsdp
+    from hp_dtensor import CommDebugMode, DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
     torch.manual_seed(7)
     if kind == "fsdp":
@@ -472,7 +469,8 @@ def test_no_gradients() -> None:
     assert float(hp_fsdp.clip_grad_norm_([nn.Parameter(torch.zeros(3))], 1.0)) == 0.0
     assert float(hp_fsdp.get_total_norm([])) == 0.0
     with pytest.warns(UserWarning, match="empty generator"):
-        hp_fsdp.clip_grad_norm_((q for q in []), 1.0)
+        none: list[nn.Parameter] = []
+        hp_fsdp.clip_grad_norm_((q for q in none), 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hp_fsdp.clip_grad_norm_([], 1.0)  # a list is not a generator: no warning, as torch

@@ -46,19 +46,28 @@ class _Reduction:
 _LOCAL = _Reduction(None, ())
 
 
+_REDUCTIONS: dict[tuple[DeviceMesh, tuple[int, ...]], _Reduction] = {}
+
+
 def _reduction(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> _Reduction:
     """Where the partial norms of a DTensor with these (non-Partial) placements are reduced.
 
     On a named mesh the reduced dims are sliced out, so tensors on different meshes that are
     sharded over the same ranks (a plain parameter on ``mesh['dp']`` and a TP+FSDP one on
-    ``(tp, dp)`` that is Replicate on tp) share one reduction."""
+    ``(tp, dp)`` that is Replicate on tp) share one reduction.  Memoized: a training step asks
+    for every parameter."""
     dims = tuple(k for k, p in enumerate(placements) if isinstance(p, Shard) and mesh.size(k) > 1)
     if not dims:
         return _LOCAL
-    names = mesh.mesh_dim_names
-    if names is not None and len(dims) < mesh.ndim:
-        return _Reduction(mesh[tuple(names[k] for k in dims)], tuple(range(len(dims))))
-    return _Reduction(mesh, dims)
+    red = _REDUCTIONS.get((mesh, dims))
+    if red is None:
+        names = mesh.mesh_dim_names
+        if names is not None and len(dims) < mesh.ndim:
+            red = _Reduction(mesh[tuple(names[k] for k in dims)], tuple(range(len(dims))))
+        else:
+            red = _Reduction(mesh, dims)
+        _REDUCTIONS[(mesh, dims)] = red
+    return red
 
 
 def _norm_type(norm_type: Any) -> float:

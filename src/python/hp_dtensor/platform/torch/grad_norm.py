@@ -132,11 +132,11 @@ class _TorchGradNorm:
     def scale_(tensors: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
         """``t *= min(max_norm / (total + 1e-6), 1)`` in place, computed as torch does (no branch
         on the value, so no device sync)."""
-        tensors = [t for t in tensors if t.numel() > 0]
-        if not tensors:
+        live: list[torch.Tensor | None] = [t for t in tensors if t.numel() > 0]
+        if not live:
             return
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        grouped = _group_tensors_by_device_and_dtype([tensors])
+        grouped = _group_tensors_by_device_and_dtype([live])
         for (dev, _), ([group], _) in grouped.items():
             ts = [t for t in group if t is not None]
             c = coef.to(dev)
