@@ -3,13 +3,14 @@
 """The umbrella re-exports the same objects the packages define."""
 
 import hp_dtensor
+import hp_fsdp
 import hp_tp
 import hyper_parallel
 
 
 def test_umbrella_exports_are_the_package_objects() -> None:
     for name in hyper_parallel.__all__:
-        source = hp_tp if name in hp_tp.__all__ else hp_dtensor
+        source = hp_tp if name in hp_tp.__all__ else hp_fsdp if name in hp_fsdp.__all__ else hp_dtensor
         assert getattr(hyper_parallel, name) is getattr(source, name), name
 
 

@@ -17,7 +17,16 @@ from hp_dtensor import (
     init_device_mesh,
     manual_seed,
 )
-from hp_fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hp_fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    clip_grad_norm_,
+    clip_grads_with_norm_,
+    fully_shard,
+    get_total_norm,
+)
 from hp_tp import (
     ColwiseParallel,
     NoParallel,
@@ -51,4 +60,5 @@ __all__ = [
     "CommDebugMode", "DTensor", "DeviceMesh", "Partial", "Placement", "Replicate", "Shard",
     "distribute_module", "distribute_tensor", "init_device_mesh", "manual_seed",
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
+    "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm",
 ]

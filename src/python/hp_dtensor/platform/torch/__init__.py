@@ -7,6 +7,7 @@ from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
+from hp_dtensor.platform.torch.grad_norm import GRAD_NORM
 from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 from hp_dtensor.platform.torch.modules import (
     FORWARD,
@@ -65,7 +66,7 @@ def set_num_threads(n: int) -> None:
 
 
 __all__ = [
-    "NAME", "FSDP", "local_layers", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
+    "NAME", "FSDP", "GRAD_NORM", "local_layers", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
