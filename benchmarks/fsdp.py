@@ -196,8 +196,9 @@ def main() -> None:
             for foreach in FOREACH:
                 times[(size, foreach)] = pool.run(_timing, size, foreach, timeout=900)
 
-    print(f"# fsdp: AdamW training step, {world} gloo ranks (1 thread each) on {os.cpu_count()} cores; "
-          f"ms = median of {REPEATS} steps after {WARMUP} (slowest rank)")
+    # the load average says how much other work shared the cores while this ran
+    print(f"# fsdp: AdamW training step, {world} gloo ranks (1 thread each) on {os.cpu_count()} cores "
+          f"(load average {os.getloadavg()[0]:.1f}); ms = median of {REPEATS} steps after {WARMUP} (slowest rank)")
     print(f"{'size':<28}{'adamw':>8}{'ours ms':>9}{'torch ms':>9}{'time':>6}{'loss diff':>10}"
           f"{'ours MiB':>9}{'torch MiB':>10}{'rss':>6}{'state MiB':>10}{'state':>6}")
     for size in SIZES:
