@@ -76,6 +76,7 @@ class Case:
     divide_factor: float | None = None
     seed: int = 0
     compare_grads_each_step: bool = True
+    hidden: int = 6  # the blocks' hidden size (TP splits it: 7 is uneven over 2)
     scaled_tol: float | None = None  # bf16: |a-b| <= scaled_tol * max|b| per tensor instead of fp32's rule
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -158,7 +159,7 @@ def run_case(rank: int, world: int, cfg: Case) -> dict[str, Any]:
     from hp_fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(cfg.seed)
-    ref = Net()
+    ref = Net(h=cfg.hidden)
     model = copy.deepcopy(ref)
     fsdp_mesh, tp_mesh, _root, dp, dp_index = _mesh(world, cfg.kind)
     if tp_mesh is not None:

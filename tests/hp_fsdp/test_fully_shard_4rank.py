@@ -56,6 +56,11 @@ def test_C15_tp_then_fsdp_2x2_matches_one_process(pool4: RankPool) -> None:
             assert comm["all_gather@0"] == 2 * GROUPS - 1 and comm["reduce_scatter@0"] == GROUPS, comm
 
 
+def test_C15_with_uneven_tp_shards(pool4: RankPool) -> None:
+    """Hidden size 7 over tp=2: TP shards of 4 and 3 columns, each then split over dp=2."""
+    check_numbers(pool4.run(run_case, Case(kind="c15", hidden=7)))
+
+
 def test_hsdp_with_tp_on_a_3d_mesh(pool4: RankPool) -> None:
     """(dp_replicate, dp_shard, tp) = (2, 1, 2): TP weights get (tp placement, Replicate, Shard(0))
     on the ('tp', 'dp_replicate', 'dp_shard') dims; gradients are all-reduced across replicas."""

@@ -226,7 +226,6 @@ def test_bad_calls_fail_the_same_way_on_every_rank(pool2: RankPool, which: str, 
 
 def _meta_init(rank: int, world: int) -> dict[str, Any]:
     from hp_dtensor import distribute_tensor
-
     from hp_fsdp import fully_shard
 
     torch.manual_seed(0)

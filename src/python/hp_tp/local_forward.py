@@ -49,7 +49,9 @@ def install_colwise(module: Any, mesh: DeviceMesh) -> None:
             # Every rank uses the whole input: each rank's input gradient is a partial sum.
             xl = x.to_local(grad_placements=[Partial()])
             y = k.linear(xl, module.weight.to_local(), _local(module.bias))
-            return plat.DTensor.from_local(y, mesh, out_pl, run_check=False)
+            # The global shape, not local x n: out_features need not divide by the mesh.
+            shape = tuple(x.shape[:-1]) + (module.weight.shape[0],)
+            return plat.DTensor.from_local(y, mesh, out_pl, run_check=False, shape=shape)
     elif k.is_plain_embedding(module):
         def forward(x: Any) -> Any:
             if not (isinstance(x, plat.DTensor) and x.placements == replicate):
@@ -57,7 +59,8 @@ def install_colwise(module: Any, mesh: DeviceMesh) -> None:
             ids = x.to_local()
             k.check_ids(ids, module.num_embeddings)
             y = k.embedding(ids, module.weight.to_local(), module.padding_idx)
-            return plat.DTensor.from_local(y, mesh, out_pl, run_check=False)
+            shape = tuple(x.shape) + (module.weight.shape[1],)
+            return plat.DTensor.from_local(y, mesh, out_pl, run_check=False, shape=shape)
     else:
         return
     k.set_forward(module, forward)
@@ -122,6 +125,6 @@ def install_sequence_parallel(module: Any, mesh: DeviceMesh, sequence_dim: int) 
             if p is not None
         }
         y = k.run_with_params(module, fallback, params, x.to_local(), *args, **kwargs)
-        return plat.DTensor.from_local(y, mesh, [x.placements[0]], run_check=False)
+        return plat.DTensor.from_local(y, mesh, [x.placements[0]], run_check=False, shape=tuple(x.shape))
 
     k.set_forward(module, forward)

@@ -60,10 +60,10 @@ def _distribute_params(module: Any, mesh: DeviceMesh, style: ParallelStyle, plac
         tied.record_split(param, dict(plat.direct_params(module))[name], mesh, pl, holder)
 
 
-def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement) -> Any:
+def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, shape: Any = None) -> Any:
     plat = _plat()
     if not isinstance(x, plat.DTensor):
-        return _annotate(x, mesh, layout, desired)
+        return _annotate(x, mesh, layout, desired, shape)
     if x.placements != (desired,):
         x = x.redistribute(mesh, [desired])
     return x
@@ -80,15 +80,15 @@ class _LastAnnotated:
     value: Any = None
 
 
-def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement) -> Any:
+def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, shape: Any = None) -> Any:
     plat = _plat()
     k = getattr(plat, "local_layers", None)
     key: tuple[Any, ...] = ()
     if k is not None:
-        key = (mesh, layout, desired, k.version(x), k.grad_enabled(), x.requires_grad)
+        key = (mesh, layout, desired, k.version(x), k.grad_enabled(), x.requires_grad, shape)
         if _LastAnnotated.ref is not None and _LastAnnotated.ref() is x and _LastAnnotated.key == key:
             return _LastAnnotated.value
-    dt = plat.DTensor.from_local(x, mesh, [layout], run_check=False)
+    dt = plat.DTensor.from_local(x, mesh, [layout], run_check=False, shape=shape)
     if dt.placements != (desired,):
         dt = dt.redistribute(mesh, [desired])
     if k is not None:
@@ -105,7 +105,21 @@ def _prepare_first_input(layout: Placement, desired: Placement, module: Any, inp
     # MindSpore pre-hooks must return one.
     if not inputs:
         return inputs
-    return (_to_dtensor(inputs[0], mesh, layout, desired), *inputs[1:])
+    return (_to_dtensor(inputs[0], mesh, layout, desired, _input_shape(module, inputs[0], layout)), *inputs[1:])
+
+
+def _input_shape(module: Any, x: Any, layout: Placement) -> tuple[int, ...] | None:
+    """The global shape of a plain input sharded on its last dim into a Linear: the last dim is
+    the weight's in_features, which need not divide by the mesh (a Colwise layer with uneven
+    out_features feeds a Rowwise one); without it each rank would assume even shards and derive
+    a different global shape."""
+    plat = _plat()
+    if isinstance(x, plat.DTensor) or not isinstance(layout, Shard) or not plat.is_linear_module(module):
+        return None
+    ndim = len(x.shape)
+    if ndim == 0 or layout.dim % ndim != ndim - 1:
+        return None
+    return tuple(x.shape[:-1]) + (module.weight.shape[1],)
 
 
 def _finish_output(layout: Placement, use_local_output: bool, reduce_dtype: Any, module: Any, outputs: Any,
