@@ -358,9 +358,37 @@ def _route_list_primitive(cls: Any, attr: str | None) -> None:
     cls.__call__ = __call__
 
 
+class _PlainTensorFallback:
+    """``Tensor.__fallback__``, visible on the plain ``Tensor`` class only.
+
+    A Tensor *method* called on a plain tensor with a DTensor argument (``plain.add(dt)``,
+    ``plain.matmul(dt)``, ``plain ** dt``) makes MindSpore look for ``__fallback__`` on the plain
+    tensor's class, which has none, and fail with an internal message.  This hook sends such a
+    call to ``dispatch``, which gives the library's mixing error (or joins a one-element tensor as
+    a replicated scalar).  Every subclass -- ``Parameter`` above all -- sees no attribute (the
+    lookup raises ``AttributeError``), so MindSpore keeps running their ops natively: a hook
+    inherited by ``Parameter`` would put every parameter op in a training step through Python."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if (owner if owner is not None else type(obj)) is not Tensor:
+            raise AttributeError("__fallback__")
+        return _plain_fallback
+
+
+def _plain_fallback(func: Any, args: Any = (), kwargs: Any = None) -> Any:
+    args, kwargs = tuple(args), dict(kwargs or {})
+    flat, _ = _flatten(args)
+    if any(isinstance(x, DTensor) for x in flat + list(kwargs.values())):
+        return dispatch(func, args, kwargs)
+    with NoFallbackGuard():  # no DTensor after all: the op as MindSpore would run it
+        return func(*args, **kwargs)
+
+
 def install_interceptors() -> None:
     """Close the paths by which an op on DTensors would bypass ``dispatch`` (idempotent)."""
     from mindspore.ops import operations as P
 
     _route_list_primitive(P.Stack, "axis")
     _route_list_primitive(P.AddN, None)
+    if not isinstance(Tensor.__dict__.get("__fallback__"), _PlainTensorFallback):
+        Tensor.__fallback__ = _PlainTensorFallback()
