@@ -572,7 +572,7 @@ def test_manual_seed_seeds_the_dtensor_stream_and_checks_ranks_agree(pool):
 
 # ---------------------------------------------------------------- random ops other than dropout
 RANDOM_OPS = ("ops.rand_like", "ops.randn_like", "mint.rand_like", "mint.randn_like", "mint.rand_like f16",
-              "uniform_(2, 5)", "normal_(1, 2)", "mint dropout")
+              "uniform_(2, 5)", "normal_(1, 2)", "mint dropout", "random_ops.randn_like")
 # like-ops read a Partial as Replicate; fills keep placements (a Partial("sum") holds the draw once)
 RANDOM_LAYOUTS = ("RR", "S0S1", "S1S0", "RS1", "S0R", "PR", "PP")
 
@@ -612,6 +612,10 @@ def _random_op(name, x):
         return x.normal_(1.0, 2.0)
     if name == "mint dropout":
         return mint.nn.functional.dropout(x, 0.4, training=True)
+    if name == "random_ops.randn_like":  # the entry point that works whatever was imported first
+        from hp_dtensor.platform.mindspore import random_ops
+
+        return random_ops.randn_like(x)
     raise AssertionError(name)
 
 
