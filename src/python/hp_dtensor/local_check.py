@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.placement_types import Partial, Placement, Shard
-from hp_dtensor.shard_geometry import check_equal_shard_shapes
+from hp_dtensor.shard_geometry import check_equal_shard_shapes, local_shape
 
 _MAX_DIMS = 16  # dims shown in messages; a checksum of the whole shape covers more
 _NAME_CHARS = 16
@@ -60,10 +60,14 @@ def _dtype_of(row: Sequence[int]) -> str:
     return bytes(c for c in chars if c).decode(errors="replace")
 
 
-def check_local_records(rows: Sequence[Sequence[int]], mesh: DeviceMesh) -> None:
+def check_local_records(rows: Sequence[Sequence[int]], mesh: DeviceMesh,
+                        global_shape: Sequence[int] | None = None,
+                        placements: Sequence[Placement] | None = None) -> None:
     """``rows[i]`` is the record of the mesh's i-th rank (row-major).  Raise ``ValueError`` naming
     every rank's value when ranks disagree on ndim, dtype, placements or shape, or when ranks that
-    share a ``Replicate`` mesh dim hold different data."""
+    share a ``Replicate`` mesh dim hold different data.  With ``global_shape`` (``from_local``'s
+    ``shape=``, which may shard unevenly) each rank's shard must have the shape its coordinate
+    gets under ``placements``, instead of all shards being equal."""
     ranks = mesh.layout.ranks
 
     def check(field: str, keys: Sequence[object], shown: Sequence[object]) -> None:
@@ -78,7 +82,18 @@ def check_local_records(rows: Sequence[Sequence[int]], mesh: DeviceMesh) -> None
     pl_start = 4 + _MAX_DIMS + _NAME_CHARS
     pls = [tuple(r[pl_start:]) for r in rows]
     check("placements", pls, ["[" + ", ".join(_placement_of(c) for c in p) + "]" for p in pls])
-    check_equal_shard_shapes([_shape_of(r) + [r[1]] for r in rows], mesh)
+    if global_shape is None or placements is None:
+        check_equal_shard_shapes([_shape_of(r) + [r[1]] for r in rows], mesh)
+    else:
+        want = [list(local_shape(global_shape, mesh.shape, placements, _coordinate(i, mesh.shape)))
+                for i in range(len(rows))]
+        if any(_shape_of(r) != w for r, w in zip(rows, want)):
+            detail = ", ".join(f"rank {rank}: {tuple(_shape_of(r))} (want {tuple(w)})"
+                               for rank, r, w in zip(ranks, rows, want))
+            raise ValueError(
+                f"from_local(run_check=True): local shards do not tile shape={tuple(global_shape)} with "
+                f"placements {tuple(placements)} ({detail})"
+            )
     codes = pls[0]
     shape = mesh.shape
     for k, code in enumerate(codes):
@@ -100,6 +115,15 @@ def check_local_records(rows: Sequence[Sequence[int]], mesh: DeviceMesh) -> None
                     f"{first[2]:#010x} and {r[2]:#010x}); pass the same tensor on every rank of that dim or "
                     f"use distribute_tensor to broadcast it"
                 )
+
+
+def _coordinate(i: int, mesh_shape: Sequence[int]) -> list[int]:
+    """Mesh coordinate of the i-th rank in row-major order."""
+    coord = []
+    for s in reversed(mesh_shape):
+        coord.append(i % s)
+        i //= s
+    return coord[::-1]
 
 
 __all__ = ["check_local_records", "local_record", "record_length"]

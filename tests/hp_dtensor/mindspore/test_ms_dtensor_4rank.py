@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,func-returns-value"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,func-returns-value,var-annotated,assignment,call-arg"
 """MindSpore DTensor on 4 CPU ranks: every redistribution between Shard/Replicate/Partial layouts on
 a 1-D mesh of 4 (the world group: MindSpore's native collectives) and a 2x2 mesh (subgroups: the
 composed ones), checked for values, input gradients and the number of collectives the planner
@@ -8,6 +8,7 @@ The four ranks and MindSpore's scheduler start once for the module."""
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import numpy as np
@@ -211,3 +212,190 @@ def test_distribute_tensor_from_local_and_distribute_module(pool):
         placements, y_shape, seen = module
         assert placements == (Replicate(), Replicate()) and y_shape == (3, 2)
         assert seen == [(Replicate(), Replicate())]
+
+
+# ---------------------------------------------------------------- uneven (torch.chunk-style) shards
+# per mesh shape; HP_MS_UNEVEN_CASES=400 for a longer local run
+UNEVEN_CASES = int(os.environ.get("HP_MS_UNEVEN_CASES", "40"))
+
+
+def _chunk_np(a, placements, mesh_shape, coord):
+    """This rank's torch.chunk-style block of ``a`` (Shard placements only; others keep it whole)."""
+    from hp_dtensor.shard_geometry import chunk_size_and_offset
+
+    for k, p in enumerate(placements):
+        if p.is_shard():
+            length, start = chunk_size_and_offset(a.shape[p.dim], mesh_shape[k], coord[k])
+            a = np.take(a, np.arange(start, start + length), axis=p.dim)
+    return np.ascontiguousarray(a)
+
+
+def _uneven_local(A, D, placements, mesh_shape, coord):
+    """Local data of a value A: Partial terms (spread summing/averaging/maxing back to A) first,
+    then the chunk of every Shard."""
+    out = A
+    for k, p in enumerate(placements):
+        if p.is_partial():
+            n, r = mesh_shape[k], coord[k]
+            spread = (r - (n - 1) / 2.0) * D
+            out = {"sum": out / n + spread, "avg": out + spread, "max": out - r * np.abs(D)}[p.reduce_op]
+    return _chunk_np(out.astype(np.float32), placements, mesh_shape, coord)
+
+
+def _uneven_specs(mesh_shape, n_cases, seed):
+    """Seeded random (global shape, src, dst) with at least one uneven Shard among src/dst."""
+    from hp_dtensor import Partial, Replicate, Shard
+    from hp_dtensor.shard_geometry import is_even
+
+    rnd = random.Random(seed)
+    out = []
+    while len(out) < n_cases:
+        shape = tuple(rnd.randint(1, 9) for _ in range(rnd.randint(1, 3)))
+        choices = [Shard(d) for d in range(len(shape))] + [Replicate(), Partial("sum"), Partial("avg"), Partial("max")]
+        src = tuple(rnd.choice(choices) for _ in mesh_shape)
+        dst = tuple(rnd.choice(choices) for _ in mesh_shape)
+        kinds = {p.reduce_op for p in src + dst if p.is_partial()}
+        if src == dst or len(kinds) > 1 or kinds == {"avg", "max"}:
+            continue  # mixed reduce ops are refused (tested elsewhere)
+        if is_even(shape, mesh_shape, src) and is_even(shape, mesh_shape, dst):
+            continue
+        out.append((shape, src, dst))
+    return out
+
+
+def _uneven_redistribute_cases(rank, world, mesh_shape, n_cases):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from hp_dtensor import DTensor, distribute_tensor, init_device_mesh
+    from hp_dtensor.shard_geometry import is_even
+
+    mesh = init_device_mesh("cpu", mesh_shape)
+    coord = mesh.get_coordinate()
+    stats = {"cases": 0, "uneven": 0, "zero_size_shards": 0, "grads": 0, "mismatches": []}
+    for i, (shape, src, dst) in enumerate(_uneven_specs(mesh_shape, n_cases, 11 + len(mesh_shape))):
+        rs = np.random.RandomState(100 + i)
+        A = rs.randn(*shape).astype(np.float32)
+        D = rs.randn(*shape).astype(np.float32)
+        G = rs.randn(*shape).astype(np.float32)
+        local = Tensor(_uneven_local(A, D, src, mesh_shape, coord))
+        stats["cases"] += 1
+        stats["uneven"] += not (is_even(shape, mesh_shape, src) and is_even(shape, mesh_shape, dst))
+        try:
+            x = DTensor.from_local(local, mesh, src, shape=shape)
+            out = x.redistribute(mesh, dst)
+            got_local = out.to_local().asnumpy()
+            stats["zero_size_shards"] += got_local.size == 0 or local.size == 0
+            ok = out.placements == dst and tuple(out.shape) == shape
+            ok = ok and np.allclose(out.full_tensor().asnumpy(), A, rtol=1e-5, atol=1e-5)
+            if not any(p.is_partial() for p in dst):
+                want = _chunk_np(A, dst, mesh_shape, coord)
+                ok = ok and got_local.shape == want.shape and np.allclose(got_local, want, rtol=1e-5, atol=1e-5)
+            if not any(p.is_partial() and p.reduce_op == "max" for p in src + dst):
+
+                def loss(xl, src=src, dst=dst, shape=shape, G=G):
+                    y = DTensor.from_local(xl, mesh, src, shape=shape).redistribute(mesh, dst)
+                    return (y.full_tensor() * Tensor(G)).sum()
+
+                grad = ms.grad(loss, 0)(local).asnumpy()
+                want_g = _chunk_np(G, src, mesh_shape, coord)  # Partial terms get the global gradient
+                ok = ok and grad.shape == want_g.shape and np.allclose(grad, want_g, rtol=1e-5, atol=1e-5)
+                stats["grads"] += 1
+            if not ok:
+                stats["mismatches"].append((shape, str(src), str(dst)))
+        except Exception as e:  # noqa: BLE001 -- a raise is one more wrong answer to report
+            stats["mismatches"].append((shape, str(src), str(dst), f"{type(e).__name__}: {str(e)[:200]}"))
+    # distribute_tensor from rank 0 (the others pass zeros) onto uneven layouts, zero-size shards included
+    for shape, pl in (((5, 3), "S0"), ((2, 7), "S0S1"), ((3, 2, 5), "S2S0"), ((1, 6), "S0R"), ((6,), "S0S0")):
+        from hp_dtensor import Replicate, Shard
+
+        placements = tuple(Shard(int(c)) for c in pl[1::2]) if "R" not in pl else (Shard(0), Replicate())
+        placements = placements[: len(mesh_shape)] if len(placements) >= len(mesh_shape) else placements + (
+            Replicate(),) * (len(mesh_shape) - len(placements))
+        A = np.random.RandomState(7).randn(*shape).astype(np.float32)
+        mine = A if rank == 0 else np.zeros_like(A)
+        stats["cases"] += 1
+        try:
+            dt = distribute_tensor(Tensor(mine), mesh, placements)
+            want = _chunk_np(A, placements, mesh_shape, coord)
+            got = dt.to_local().asnumpy()
+            stats["zero_size_shards"] += got.size == 0
+            if got.shape != want.shape or not np.array_equal(got, want) or not np.array_equal(
+                    dt.full_tensor().asnumpy(), A):
+                stats["mismatches"].append(("distribute", shape, str(placements)))
+        except Exception as e:  # noqa: BLE001
+            stats["mismatches"].append(("distribute", shape, str(placements), f"{type(e).__name__}: {str(e)[:200]}"))
+    return stats
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_uneven_redistribute_matches_one_process(pool, mesh_shape):
+    """Seeded random uneven shapes/placements: local shards are the torch.chunk blocks of the
+    one-process value, full_tensor is the value, input gradients are torch's convention."""
+    results = pool.run(_uneven_redistribute_cases, mesh_shape, UNEVEN_CASES)
+    s = results[0]
+    print(f"uneven redistribute on mesh {mesh_shape}: {s['cases']} cases per rank ({s['uneven']} uneven, "
+          f"{s['grads']} with gradients) x 4 ranks, {sum(r['zero_size_shards'] for r in results)} rank-cases "
+          f"with a zero-size shard, mismatches: {sum(len(r['mismatches']) for r in results)}")
+    for rank, r in enumerate(results):
+        assert not r["mismatches"], f"rank {rank}: {r['mismatches'][:5]}"
+    assert s["cases"] >= UNEVEN_CASES
+
+
+def _uneven_api_cases(rank, world):
+    """from_local(shape=, run_check=True) on uneven shards; pointwise ops keep the uneven layout,
+    other ops see it as Replicate on the uneven dim; values against one-process MindSpore."""
+    from mindspore import Tensor, mint, ops
+
+    from hp_dtensor import CommDebugMode, DTensor, Replicate, Shard, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    A = np.random.RandomState(31).randn(7, 3).astype(np.float32)
+    B = np.random.RandomState(32).randn(7, 3).astype(np.float32)
+    pl = (Shard(0),)
+    xa = _chunk_np(A, pl, (world,), (rank,))
+    x = DTensor.from_local(Tensor(xa), mesh, pl, shape=(7, 3), run_check=True)
+    y = DTensor.from_local(Tensor(_chunk_np(B, pl, (world,), (rank,))), mesh, pl, shape=(7, 3))
+    out = {"local rows": xa.shape[0]}
+    X, Y = Tensor(A), Tensor(B)
+    pointwise = {
+        "x * y + 1": lambda a, b: a * b + 1, "ops.add(x, 2.5)": lambda a, b: ops.add(a, 2.5),
+        "relu(x) - y": lambda a, b: ops.relu(a) - b, "mint.exp(x) / 2": lambda a, b: mint.exp(a) / 2,
+    }
+    for name, f in pointwise.items():
+        with CommDebugMode() as comm:
+            r = f(x, y)
+        out[name] = (tuple(r.placements), tuple(r.shape), comm.get_total_counts(),
+                     float(np.max(np.abs(r.full_tensor().asnumpy() - f(X, Y).asnumpy()))))
+    others = {"x.sum(0)": lambda a: a.sum(0), "x.sum()": lambda a: a.sum(), "x.mean(1)": lambda a: a.mean(1),
+              "softmax(x, 0)": lambda a: ops.softmax(a, 0), "x.T": lambda a: a.transpose(1, 0)}
+    for name, op in others.items():
+        r = op(x)
+        out[name] = (tuple(r.shape), float(np.max(np.abs(r.full_tensor().asnumpy() - op(X).asnumpy()))))
+    try:
+        bad = Tensor(np.ones((2, 3), np.float32))  # every rank claims 2 rows of 7: wrong on ranks 2 and 3
+        DTensor.from_local(bad, mesh, pl, shape=(7, 3), run_check=True)
+        out["bad shape"] = "accepted"
+    except ValueError as e:
+        out["bad shape"] = str(e)
+    rep = DTensor.from_local(Tensor(A), mesh, [Replicate()]).redistribute(mesh, pl)
+    out["R->S0 local rows"] = rep.to_local().shape[0]
+    return out
+
+
+def test_uneven_from_local_pointwise_and_other_ops(pool):
+    results = pool.run(_uneven_api_cases)
+    from hp_dtensor import Shard
+
+    assert [r["local rows"] for r in results] == [2, 2, 2, 1]
+    assert [r["R->S0 local rows"] for r in results] == [2, 2, 2, 1]
+    for r in results:
+        for name in ("x * y + 1", "ops.add(x, 2.5)", "relu(x) - y", "mint.exp(x) / 2"):
+            placements, shape, n_comm, err = r[name]
+            # pointwise on uneven shards: shard by shard, no communication, uneven layout kept
+            assert placements == (Shard(0),) and shape == (7, 3) and n_comm == 0 and err < 1e-5, (name, r[name])
+        for name in ("x.sum(0)", "x.sum()", "x.mean(1)", "softmax(x, 0)", "x.T"):
+            assert r[name][1] < 1e-5, (name, r[name])
+        assert "do not tile shape=(7, 3)" in r["bad shape"] and "rank 3: (2, 3) (want (1, 3))" in r["bad shape"], r[
+            "bad shape"]
+    assert all(r["bad shape"] == results[0]["bad shape"] for r in results)  # the same error on every rank

@@ -360,14 +360,41 @@ def _stack_and_mixing(rank, world):
     ):
         r = f()
         out[name] = (type(r).__name__, tuple(r.shape), bool(np.allclose(r.full_tensor().asnumpy(), want, atol=1e-6)))
+    P = Tensor(A)
     for name, f in (("plain + dtensor", lambda: Tensor(A) + x), ("plain * dtensor", lambda: Tensor(A) * x),
-                    ("plain @ dtensor", lambda: Tensor(A.T.copy()) @ x)):
+                    ("plain @ dtensor", lambda: Tensor(A.T.copy()) @ x),
+                    # function and method forms with the plain tensor first
+                    ("ops.add(plain, dt)", lambda: ops.add(P, x)), ("ops.sub(plain, dt)", lambda: ops.sub(P, x)),
+                    ("ops.mul(plain, dt)", lambda: ops.mul(P, x)), ("ops.div(plain, dt)", lambda: ops.div(P, x)),
+                    ("ops.matmul(plain, dt)", lambda: ops.matmul(Tensor(A.T.copy()), x)),
+                    ("mint.add(plain, dt)", lambda: mint.add(P, x)), ("plain.add(dt)", lambda: P.add(x)),
+                    ("plain.sub(dt)", lambda: P.sub(x)), ("plain.mul(dt)", lambda: P.mul(x)),
+                    ("plain.div(dt)", lambda: P.div(x)), ("plain.matmul(dt)", lambda: Tensor(A.T.copy()).matmul(x)),
+                    ("plain ** dt", lambda: P ** x), ("plain % dt", lambda: P % x)):
         try:
             f()
             out[name] = "accepted"
         except RuntimeError as e:
             out[name] = str(e).splitlines()[0]
+    # a one-element plain tensor first joins as a replicated scalar: applied once to a Partial
+    from hp_dtensor import Partial
+
+    part = DTensor.from_local(Tensor(_partial_terms(A, rank, world)), mesh, [Partial("sum")])
+    out["scalar.add(partial)"] = float(np.max(np.abs(Tensor(2.0).add(part).full_tensor().asnumpy() - (2.0 + A))))
+    out["scalar.sub(partial)"] = float(np.max(np.abs(Tensor(2.0).sub(part).full_tensor().asnumpy() - (2.0 - A))))
+    # plain tensors and Parameters alone still run natively (the hook is invisible to them)
+    import mindspore as ms
+    from mindspore import nn
+
+    dense = nn.Dense(6, 3)
+    w = ms.Parameter(Tensor(B), name="w")
+    out["plain only"] = bool(np.allclose((P.add(P) + w * 2).asnumpy(), 2 * A + 2 * B) and dense(P).shape == (4, 3))
     return out
+
+
+MIXED = ("plain + dtensor", "plain * dtensor", "plain @ dtensor", "ops.add(plain, dt)", "ops.sub(plain, dt)",
+         "ops.mul(plain, dt)", "ops.div(plain, dt)", "ops.matmul(plain, dt)", "mint.add(plain, dt)", "plain.add(dt)",
+         "plain.sub(dt)", "plain.mul(dt)", "plain.div(dt)", "plain.matmul(dt)", "plain ** dt", "plain % dt")
 
 
 def test_stack_addn_and_plain_tensor_on_the_left(pool):
@@ -376,8 +403,11 @@ def test_stack_addn_and_plain_tensor_on_the_left(pool):
             kind, shape, ok = out[name]
             assert kind == "DTensor" and ok, (name, out[name])
         assert out["ops.stack axis 0"][1] == (2, 4, 6) and out["ops.stack axis -1"][1] == (4, 6, 2)
-        for name in ("plain + dtensor", "plain * dtensor", "plain @ dtensor"):
-            assert "mix of mindspore.Tensor" in out[name] and "__fallback__" not in out[name], out[name]
+        for name in MIXED:
+            assert "mix of mindspore.Tensor" in out[name] and "__fallback__" not in out[name], (name, out[name])
+        assert out["scalar.add(partial)"] < 1e-5 and out["scalar.sub(partial)"] < 1e-5, out
+        assert out["plain only"]
+    print(f"plain tensor first: {len(MIXED)} operator/function/method forms give the mixing error on 4 ranks")
 
 
 # ---------------------------------------------------------------- from_local(run_check=True)
@@ -538,3 +568,252 @@ def test_manual_seed_seeds_the_dtensor_stream_and_checks_ranks_agree(pool):
         pool.run(_manual_seed_cases, "different", timeout=60)
     msg = str(info.value)
     assert "raised on ranks [0, 1, 2, 3]" in msg and msg.count("rank 3: 8") == 4
+
+
+# ---------------------------------------------------------------- random ops other than dropout
+RANDOM_OPS = ("ops.rand_like", "ops.randn_like", "mint.rand_like", "mint.randn_like", "mint.rand_like f16",
+              "uniform_(2, 5)", "normal_(1, 2)", "mint dropout", "random_ops.randn_like")
+# like-ops read a Partial as Replicate; fills keep placements (a Partial("sum") holds the draw once)
+RANDOM_LAYOUTS = ("RR", "S0S1", "S1S0", "RS1", "S0R", "PR", "PP")
+
+
+def _layout(code):
+    from hp_dtensor import Partial, Replicate, Shard
+
+    out, i = [], 0
+    while i < len(code):
+        c = code[i]
+        if c == "S":
+            out.append(Shard(int(code[i + 1])))
+            i += 2
+        else:
+            out.append(Replicate() if c == "R" else Partial("sum"))
+            i += 1
+    return tuple(out)
+
+
+def _random_op(name, x):
+    import mindspore as ms
+    from mindspore import mint, ops
+
+    if name == "ops.rand_like":
+        return ops.rand_like(x)
+    if name == "ops.randn_like":
+        return ops.randn_like(x)
+    if name == "mint.rand_like":
+        return mint.rand_like(x)
+    if name == "mint.randn_like":
+        return mint.randn_like(x)
+    if name == "mint.rand_like f16":
+        return mint.rand_like(x, dtype=ms.float16)
+    if name == "uniform_(2, 5)":
+        return x.uniform_(2.0, 5.0)
+    if name == "normal_(1, 2)":
+        return x.normal_(1.0, 2.0)
+    if name == "mint dropout":
+        return mint.nn.functional.dropout(x, 0.4, training=True)
+    if name == "random_ops.randn_like":  # the entry point that works whatever was imported first
+        from hp_dtensor.platform.mindspore import random_ops
+
+        return random_ops.randn_like(x)
+    raise AssertionError(name)
+
+
+def _random_input(shape):
+    return np.random.RandomState(21).rand(*shape).astype(np.float32) + 1.0
+
+
+def _random_cases(rank, world, shapes):
+    """Every op on every layout after the same stream seed, with the ranks' own generators seeded
+    differently on purpose: the full result of each, plus a type/placement verdict."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from hp_dtensor import DTensor, init_device_mesh
+    from hp_dtensor.platform.mindspore import rng
+    from hp_dtensor.shard_geometry import local_shape_and_offset as geom
+
+    ms.set_seed(100 + rank)
+    np.random.seed(100 + rank)
+    mesh = init_device_mesh("cpu", (2, 2))
+    coord = mesh.get_coordinate()
+    out = {}
+    for shape in shapes:
+        A = _random_input(shape)
+        for code in RANDOM_LAYOUTS:
+            pl = _layout(code)
+            if "P" in code:
+                n_terms = sum(isinstance(p, type(pl[0])) and p.is_partial() for p in pl)
+                local = A / (2 ** n_terms)  # exact terms: every rank holds the same one
+            else:
+                lshape, start = geom(shape, (2, 2), pl, coord)
+                local = A[tuple(slice(o, o + n) for o, n in zip(start, lshape))]
+            for name in RANDOM_OPS:
+                rng.manual_seed(77)
+                x = DTensor.from_local(Tensor(np.ascontiguousarray(local)), mesh, pl, shape=shape)
+                r = _random_op(name, x)
+                want_pl = pl if name.startswith(("uniform_", "normal_", "mint dropout")) else tuple(
+                    _layout("R")[0] if p.is_partial() else p for p in pl)
+                if name == "mint dropout":
+                    want_pl = tuple(_layout("R")[0] if p.is_partial() else p for p in pl)
+                verdict = (type(r).__name__, tuple(r.placements) == want_pl, tuple(r.shape) == tuple(shape))
+                out[(shape, code, name)] = (verdict, str(r.dtype), r.full_tensor().astype(ms.float32).asnumpy())
+    return out
+
+
+def _one_process_random(shapes):
+    """The same ops on a one-process mesh (this test process, a world of one): the reference."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from hp_dtensor import DTensor, Replicate, init_device_mesh
+    from hp_dtensor.platform.mindspore import rng
+
+    mesh = init_device_mesh("cpu", (1,))
+    ref = {}
+    for shape in shapes:
+        for name in RANDOM_OPS:
+            rng.manual_seed(77)
+            x = DTensor.from_local(Tensor(_random_input(shape)), mesh, [Replicate()])
+            r = _random_op(name, x)
+            ref[(shape, name)] = (str(r.dtype), r.to_local().astype(ms.float32).asnumpy())
+    return ref
+
+
+RANDOM_SHAPES = [(8, 6), (4, 4, 2), (7, 5), (3, 1)]  # the last two shard unevenly, (3, 1) to size 0
+
+
+def test_random_ops_on_dtensors_are_the_one_process_draw(pool):
+    """Replicated results equal on every rank, sharded results the slice of the one-process draw,
+    bit for bit, for every op x layout x shape; the ranks' own generators are seeded apart."""
+    results = pool.run(_random_cases, RANDOM_SHAPES)
+    ref = _one_process_random(RANDOM_SHAPES)
+    cases = mismatches = 0
+    bad = []
+    for rank, out in enumerate(results):
+        for (shape, code, name), (verdict, dtype, full) in out.items():
+            cases += 1
+            want_dtype, want = ref[(shape, name)]
+            if verdict != ("DTensor", True, True) or dtype != want_dtype or not np.array_equal(full, want):
+                mismatches += 1
+                bad.append((rank, shape, code, name, verdict, dtype, want_dtype))
+    print(f"random ops vs one process: {cases} op x layout x shape x rank cases "
+          f"({len(RANDOM_OPS)} ops, {len(RANDOM_LAYOUTS)} layouts, {len(RANDOM_SHAPES)} shapes), {mismatches} mismatches")
+    # the draws are what they claim to be (on the shapes with enough elements to tell)
+    for (_shape, name), (_, v) in ref.items():
+        if v.size < 30:
+            continue
+        if name == "uniform_(2, 5)":
+            assert 2.0 <= v.min() and v.max() < 5.0 and abs(v.mean() - 3.5) < 0.5
+        elif name == "normal_(1, 2)":
+            assert abs(v.mean() - 1.0) < 0.8 and 1.2 < v.std() < 2.8
+        elif "randn" in name:
+            assert abs(v.mean()) < 0.5 and 0.6 < v.std() < 1.4
+        elif "rand" in name:
+            assert 0.0 <= v.min() and v.max() < 1.0
+    assert not bad, bad[:10]
+
+
+def _random_refusals(rank, world):
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    from hp_dtensor import DTensor, Replicate, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = DTensor.from_local(Tensor(np.ones((4, 4), np.float32)), mesh, [Replicate(), Replicate()])
+    attempts = {
+        "ops.bernoulli": lambda: ops.bernoulli(x, 0.5),
+        "ops.multinomial": lambda: ops.multinomial(x, 1),
+        "ops.shuffle": lambda: ops.shuffle(x),
+        "random_": lambda: x.random_(0, 5),
+        "exponential_": lambda: x.exponential_(),
+        "ops.rand_like(seed=)": lambda: ops.rand_like(x, seed=3),
+        "mint.rand_like(int32)": lambda: ops.rand_like(x, dtype=ms.int32),
+    }
+    out = {}
+    for name, f in attempts.items():
+        try:
+            r = f()
+            out[name] = f"accepted: {type(r).__name__}"
+        except (NotImplementedError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_random_ops_without_dtensor_semantics_refuse_on_every_rank(pool):
+    results = pool.run(_random_refusals)
+    assert all(r == results[0] for r in results)
+    for name, msg in results[0].items():
+        if name == "ops.rand_like(seed=)":
+            assert msg.startswith("ValueError") and "manual_seed" in msg, msg
+        elif name == "mint.rand_like(int32)":
+            assert msg.startswith("ValueError") and "floating-point" in msg, msg
+        else:
+            assert msg.startswith("NotImplementedError") and "differ across ranks" in msg, (name, msg)
+
+
+# ---------------------------------------------------------------- initializers on DTensor parameters
+INIT_LAYOUTS = ("RR", "S0S1", "S1R")
+
+
+def _init_cases(rank, world, shape):
+    """MindSpore's initializers on DTensor parameters, ranks' numpy states seeded apart: rank 0's
+    draw is what every rank ends up with, laid out by the parameter's placements."""
+    import mindspore as ms
+    from mindspore import Tensor
+    from mindspore.common.initializer import HeUniform, Normal, initializer
+
+    from hp_dtensor import distribute_tensor, init_device_mesh
+    from hp_dtensor.platform import current
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    out = {}
+    for code in INIT_LAYOUTS:
+        pl = _layout(code)
+        np.random.seed(300 + rank)
+        p = ms.Parameter(distribute_tensor(Tensor(np.zeros(shape, np.float32)), mesh, pl), name="w")
+        p.set_data(initializer(Normal(0.02), shape, ms.float32))
+        out[(code, "set_data(Normal)")] = (type(p).__name__, p.full_tensor().asnumpy())
+        p.set_data(initializer(HeUniform(), shape, ms.float32))
+        out[(code, "set_data(HeUniform)")] = (type(p).__name__, p.full_tensor().asnumpy())
+        np.random.seed(400 + rank)
+        current().init_param_(p, "normal", 0.5)
+        out[(code, "init_param_ normal")] = (type(p).__name__, p.full_tensor().asnumpy())
+        np.random.seed(500 + rank)
+        d = distribute_tensor(initializer(Normal(0.02), shape, ms.float32), mesh, pl)
+        out[(code, "distribute_tensor(lazy)")] = (type(d).__name__, d.full_tensor().asnumpy())
+    try:
+        p.set_data(Tensor(np.zeros((2, 2), np.float32)))
+        out["wrong shape"] = "accepted"
+    except ValueError as e:
+        out["wrong shape"] = str(e)
+    return out
+
+
+def test_initializers_on_dtensor_parameters_are_the_one_process_init(pool):
+    import mindspore as ms
+    from mindspore.common.initializer import HeUniform, Normal, initializer
+
+    shape = (8, 6)
+
+    def one_process(seed, make):
+        np.random.seed(seed)
+        return make()
+
+    normal = lambda: initializer(Normal(0.02), shape, ms.float32).init_data().asnumpy()  # noqa: E731
+    ref = {"set_data(Normal)": one_process(300, normal)}
+    ref["set_data(HeUniform)"] = initializer(HeUniform(), shape, ms.float32).init_data().asnumpy()  # continues 300
+    ref["init_param_ normal"] = one_process(
+        400, lambda: initializer(Normal(sigma=0.5, mean=0.0), shape, ms.float32).init_data().asnumpy())
+    ref["distribute_tensor(lazy)"] = one_process(500, normal)
+    results = pool.run(_init_cases, shape)
+    cases = 0
+    for out in results:
+        msg = out.pop("wrong shape")
+        assert "global shape (8, 6)" in msg and "(2, 2)" in msg, msg
+        for (code, name), (kind, full) in out.items():
+            cases += 1
+            assert kind in ("ParameterDTensor", "DTensor"), (code, name, kind)
+            np.testing.assert_array_equal(full, ref[name], err_msg=f"{code} {name}")
+    print(f"initializers on DTensor parameters: {cases} cases bit-equal to one process (rank 0's numpy seed)")

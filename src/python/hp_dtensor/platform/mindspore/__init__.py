@@ -1,6 +1,7 @@
 """The MindSpore backend of the platform layer (PyNative mode; mccl on CPU, hccl on Ascend)."""
 
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
 from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel

@@ -39,6 +39,7 @@ from mindspore import Tensor, mint, ops
 
 from hp_dtensor.comm_debug import record
 from hp_dtensor.platform.mindspore import process_group as PG
+from hp_dtensor.shard_geometry import chunk_size_and_offset
 
 _NATIVE_FLOATS = (ms.float32, ms.float16)
 
@@ -192,8 +193,28 @@ def all_gather(t: Any, dim: int, group: Any, n: int, index: int) -> Tensor:
 
 
 def _chunk(t: Tensor, dim: int, n: int, index: int) -> Tensor:
-    size = t.shape[dim] // n
-    return mint.narrow(t, dim, index * size, size).contiguous()
+    """Chunk ``index`` of ``dim`` split ``torch.chunk``-style into ``n`` (uneven sizes allowed:
+    full chunks first, then a short one, then empty ones)."""
+    length, start = chunk_size_and_offset(int(_shape(t)[dim]), n, index)
+    return narrow(t, dim, start, length)
+
+
+def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """A contiguous copy of ``t[..., start:start + length, ...]`` along ``dim`` (length may be 0)."""
+    return mint.narrow(t, dim, start, length).contiguous()
+
+
+def pad(t: Tensor, dim: int, size: int) -> Tensor:
+    """``t`` with zeros appended along ``dim`` up to ``size`` (MindSpore's CPU backend has no
+    ConstantPadND kernel: a concatenation with a zero block does the same, for every dtype)."""
+    shape = list(_shape(t))
+    extra = size - shape[dim]
+    if extra < 0:
+        raise ValueError(f"pad: dim {dim} of shape {tuple(shape)} is already larger than {size}")
+    if extra == 0:
+        return t
+    shape[dim] = extra
+    return mint.cat([t, mint.zeros(tuple(shape), dtype=t.dtype)], dim)
 
 
 def reduce_scatter(t: Any, dim: int, op: str, group: Any, n: int, index: int) -> Tensor:

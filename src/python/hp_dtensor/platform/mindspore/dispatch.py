@@ -13,7 +13,9 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +26,9 @@ from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
 from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
-from hp_dtensor.shard_geometry import global_shape
+from hp_dtensor.shard_geometry import even_placements, global_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo, map_leaves
+from hp_dtensor.sharding.uneven import uneven_pointwise_rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,19 @@ LOCAL_UPDATE_OPS = frozenset({
 
 register = _TABLE.register
 kernel = _TABLE.kernel
+
+# Random ops run whole through a handler ``(func, args, kwargs) -> result`` (see ``random_ops.py``):
+# their values come from the job-wide stream, not from a local kernel, so no rule applies.
+RANDOM_OPS: dict[str, Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = {}
+
+
+def random_op(*names: str) -> Callable[[Any], Any]:
+    def deco(handler: Any) -> Any:
+        for n in names:
+            RANDOM_OPS[n] = handler
+        return handler
+
+    return deco
 
 
 def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
@@ -106,6 +122,9 @@ def _key_of(x: Any) -> Any:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     name = str(func.name)
+    handler = RANDOM_OPS.get(name)
+    if handler is not None:
+        return handler(func, args, kwargs)
     flat, shape = _flatten(args)
     if name in LOCAL_UPDATE_OPS:
         flat = _join_local_updates(name, flat)
@@ -187,18 +206,42 @@ def _local_update(call: OpCall) -> Decision:
             f"in-place {call.name} on a DTensor with placements {first.placements} would apply to every "
             f"rank's partial term; call .redistribute(placements=[Replicate()]) (or .full_tensor()) first"
         )
-    return Decision(tuple(None for _ in tensors), (first.placements,))
+    return Decision(tuple(None for _ in tensors), (first.placements,), out_shape=first.shape)
 
 
 def _info(leaf: Any) -> Any:
     return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
 
 
+def _even_info(leaf: Any, mesh: Any) -> Any:
+    """A DTensor as rules that assume equal shards see it: uneven ``Shard``s read as Replicate."""
+    if not isinstance(leaf, DTensor):
+        return leaf
+    spec = leaf._spec
+    return TensorInfo(spec.shape, even_placements(spec.shape, mesh.shape, spec.placements))
+
+
 def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any) -> _Prepared:
-    args = _unflatten([_info(x) for x in flat], shape)
-    kwargs = {k: _info(v) for k, v in kw_items}
-    call = OpCall(name, mesh.shape, args, kwargs)
     rule = RULES.get(name)
+    actual = [x._spec.placements for x in flat + [v for _, v in kw_items] if isinstance(x, DTensor)]
+    if name in LOCAL_UPDATE_OPS:  # updates keep the layout they find, uneven or not
+        shown = actual
+        infos, kw_infos = [_info(x) for x in flat], {k: _info(v) for k, v in kw_items}
+    else:
+        # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
+        # nearest even layout and redistributed to it before the op -- except where a pointwise
+        # op can run shard by shard on the uneven layout itself.
+        infos, kw_infos = [_even_info(x, mesh) for x in flat], {k: _even_info(v, mesh) for k, v in kw_items}
+        shown = [t.placements for t in infos + list(kw_infos.values()) if isinstance(t, TensorInfo)]
+        n_pointwise = int(getattr(rule, "uneven_pointwise", 0) or 0)
+        if shown != actual and n_pointwise:
+            real = OpCall(name, mesh.shape, _unflatten([_info(x) for x in flat], shape),
+                          {k: _info(v) for k, v in kw_items})
+            kept = uneven_pointwise_rule(real, n_outputs=n_pointwise)
+            if kept is not None:
+                kept = dataclasses.replace(kept, kernel=getattr(rule, "uneven_kernel", None))
+                return _prepare(real, kept)
+    call = OpCall(name, mesh.shape, _unflatten(infos, shape), kw_infos)
     if rule is None:
         if name not in _warned:
             _warned.add(name)
@@ -210,6 +253,13 @@ def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[s
         decision = Decision(tuple(rep for _ in call.tensors()), (rep,))
     else:
         decision = rule(call)
+    if shown != actual:  # inputs the rule leaves alone still move to the even layout it saw
+        ins = tuple(s if d is None and s != a else d for d, s, a in zip(decision.inputs, shown, actual))
+        decision = dataclasses.replace(decision, inputs=ins + tuple(decision.inputs[len(ins):]))
+    return _prepare(call, decision)
+
+
+def _prepare(call: OpCall, decision: Decision) -> _Prepared:
     reqs = [target if target is not None else t.placements for t, target in zip(call.tensors(), decision.inputs)]
     grad_dims = tuple(_grad_sum_dims(req, decision.outputs) for req in reqs)
     single = len(reqs) == 1
@@ -303,22 +353,27 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
     return result
 
 
-def _wrap_one(out: Tensor, mesh: Any, pl: Any) -> Any:
+def _wrap_one(out: Tensor, mesh: Any, pl: Any, gshape: tuple[int, ...] | None) -> Any:
+    """``out`` as a DTensor with placements ``pl``: of global shape ``gshape`` where the rule gave one
+    (uneven shards), else the shape whose even sharding gives ``out``'s local shape."""
     if pl is None:
         return out
-    return DTensor(out, DTensorSpec(mesh, pl, global_shape(tuple(Tensor.shape.fget(out)), mesh.shape, pl)))
+    if gshape is None:
+        gshape = global_shape(tuple(Tensor.shape.fget(out)), mesh.shape, pl)
+    return DTensor(out, DTensorSpec(mesh, pl, gshape))
 
 
 def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
     outs = decision.outputs
+    gshape = decision.out_shape
     if isinstance(out, Tensor):
-        return _wrap_one(out, mesh, outs[0] if outs else None)
+        return _wrap_one(out, mesh, outs[0] if outs else None, gshape)
     if isinstance(out, (list, tuple)):
         res = []
         j = 0
         for leaf in out:
             if isinstance(leaf, Tensor):
-                res.append(_wrap_one(leaf, mesh, outs[min(j, len(outs) - 1)] if outs else None))
+                res.append(_wrap_one(leaf, mesh, outs[min(j, len(outs) - 1)] if outs else None, gshape))
             else:
                 res.append(leaf)
             j += 1
@@ -358,9 +413,37 @@ def _route_list_primitive(cls: Any, attr: str | None) -> None:
     cls.__call__ = __call__
 
 
+class _PlainTensorFallback:
+    """``Tensor.__fallback__``, visible on the plain ``Tensor`` class only.
+
+    A Tensor *method* called on a plain tensor with a DTensor argument (``plain.add(dt)``,
+    ``plain.matmul(dt)``, ``plain ** dt``) makes MindSpore look for ``__fallback__`` on the plain
+    tensor's class, which has none, and fail with an internal message.  This hook sends such a
+    call to ``dispatch``, which gives the library's mixing error (or joins a one-element tensor as
+    a replicated scalar).  Every subclass -- ``Parameter`` above all -- sees no attribute (the
+    lookup raises ``AttributeError``), so MindSpore keeps running their ops natively: a hook
+    inherited by ``Parameter`` would put every parameter op in a training step through Python."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if (owner if owner is not None else type(obj)) is not Tensor:
+            raise AttributeError("__fallback__")
+        return _plain_fallback
+
+
+def _plain_fallback(func: Any, args: Any = (), kwargs: Any = None) -> Any:
+    args, kwargs = tuple(args), dict(kwargs or {})
+    flat, _ = _flatten(args)
+    if any(isinstance(x, DTensor) for x in flat + list(kwargs.values())):
+        return dispatch(func, args, kwargs)
+    with NoFallbackGuard():  # no DTensor after all: the op as MindSpore would run it
+        return func(*args, **kwargs)
+
+
 def install_interceptors() -> None:
     """Close the paths by which an op on DTensors would bypass ``dispatch`` (idempotent)."""
     from mindspore.ops import operations as P
 
     _route_list_primitive(P.Stack, "axis")
     _route_list_primitive(P.AddN, None)
+    if not isinstance(Tensor.__dict__.get("__fallback__"), _PlainTensorFallback):
+        Tensor.__fallback__ = _PlainTensorFallback()

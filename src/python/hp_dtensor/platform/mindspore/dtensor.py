@@ -153,6 +153,39 @@ class DTensor(Tensor):  # type: ignore[misc]
             "item assignment on a MindSpore DTensor is not supported; assign into .to_local() instead"
         )
 
+    def set_data(self, data: Any, slice_shape: bool = False) -> Any:
+        """``Parameter.set_data`` for a DTensor parameter: ``data`` is the *global* value (a Tensor
+        of the global shape, a lazy ``mindspore.common.initializer`` tensor, a number) or a DTensor
+        of the same spec.  A global value is laid out like ``distribute_tensor`` does it: rank 0 of
+        each mesh dim materializes it (an initializer draws from rank 0's numpy state) and its
+        values are broadcast, so a replicated parameter is identical on every rank and a sharded one
+        is the slice of what one process would have initialized.  Collective: call on every rank."""
+        if not isinstance(self, ms.Parameter):
+            raise TypeError("set_data is a Parameter method; this DTensor is not a Parameter")
+        spec = self._spec
+        if isinstance(data, DTensor):
+            if data._spec != spec:
+                raise ValueError(
+                    f"set_data: the DTensor's layout {data._spec.placements} / shape {data._spec.shape} differs from "
+                    f"the parameter's {spec.placements} / {spec.shape}; redistribute it first"
+                )
+            local = C._plain(data)
+        elif isinstance(data, (int, float)) and not isinstance(data, bool):
+            local = ops.fill(self.dtype, spec.local_shape(), data)
+        elif isinstance(data, Tensor):
+            got = tuple(Tensor.shape.fget(data))
+            if got != spec.shape:
+                raise ValueError(
+                    f"set_data on a DTensor parameter of global shape {spec.shape} got a tensor of shape {got}; pass "
+                    f"the global value (rank 0's is laid out with {spec.placements}) or a DTensor of the same layout"
+                )
+            if data.dtype != self.dtype:
+                data = (data.init_data() if getattr(data, "has_init", False) else data).astype(self.dtype)
+            local = C._plain(distribute_tensor(data, spec.mesh, spec.placements))
+        else:
+            raise TypeError(f"set_data expects a Tensor, DTensor or number, got {type(data).__name__}")
+        return ms.Parameter.set_data(self, local, slice_shape)
+
     def asnumpy(self) -> np.ndarray:
         raise RuntimeError(
             "asnumpy() on a DTensor is ambiguous (local shard or whole tensor); call "
@@ -193,7 +226,7 @@ class DTensor(Tensor):  # type: ignore[misc]
         if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
             device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
         spec = self._spec
-        dst = redistribute_target(spec, device_mesh, placements)
+        dst = redistribute_target(spec, device_mesh, placements, uneven=True)
         _check_reduce_ops(dst, self.dtype)
         if dst == spec.placements:
             return self
@@ -220,10 +253,12 @@ class DTensor(Tensor):  # type: ignore[misc]
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shard of a DTensor (differentiable, no copy).
 
-        ``run_check=True`` first exchanges one fixed-size record per rank (ndim, shape, dtype,
-        placements, a checksum of the data), so the check itself cannot hang or mismatch; then
-        every rank raises the same ``ValueError`` naming each rank's value when the ranks disagree on
-        ndim, dtype, placements or shard shape (even sharding), or when ranks sharing a
+        Without ``shape`` the global shape assumes even sharding (as torch); uneven shards
+        (``torch.chunk``-style) need ``shape``.  ``run_check=True`` first exchanges one fixed-size
+        record per rank (ndim, shape, dtype, placements, a checksum of the data), so the check
+        itself cannot hang or mismatch; then every rank raises the same ``ValueError`` naming each
+        rank's value when the ranks disagree on ndim, dtype or placements, when the shards do not
+        tile the global shape (equal shards without ``shape``), or when ranks sharing a
         ``Replicate`` mesh dim hold different data."""
         mesh = resolve_mesh(device_mesh, "from_local")
         if isinstance(local_tensor, DTensor):
@@ -232,8 +267,8 @@ class DTensor(Tensor):  # type: ignore[misc]
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
         lshape = tuple(Tensor.shape.fget(local_tensor))
         if run_check:
-            _check_local_metadata(local_tensor, lshape, mesh, placements)
-        spec = from_local_spec(lshape, mesh, placements, shape)
+            _check_local_metadata(local_tensor, lshape, mesh, placements, shape)
+        spec = from_local_spec(lshape, mesh, placements, shape, uneven=True)
         _check_reduce_ops(spec.placements, local_tensor.dtype)
         return DTensor(local_tensor, spec)
 
@@ -262,7 +297,8 @@ def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
         )
 
 
-def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any) -> None:
+def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any,
+                          shape: Sequence[int] | None = None) -> None:
     """Every rank's metadata record over every mesh dim, then the same verdict on every rank."""
     coord = mesh.get_coordinate()
     if coord is None:
@@ -277,7 +313,8 @@ def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMe
         table = np.array([local_record(lshape, str(local.dtype), pl, data)], np.int64)
         for k in reversed(range(mesh.ndim)):
             table = C.gather_int_table(table, mesh.get_group(k), mesh.shape[k], coord[k])
-    check_local_records(table.tolist(), mesh)
+    gshape = tuple(int(x) for x in shape) if shape is not None and len(tuple(shape)) == len(lshape) else None
+    check_local_records(table.tolist(), mesh, gshape, pl if gshape is not None else None)
 
 
 def distribute_tensor(
@@ -292,19 +329,19 @@ def distribute_tensor(
     ``src_data_rank=0``: group-rank 0 of each mesh dim is the source and its values are broadcast
     (MindSpore's CPU backend has no scatter), so other ranks may pass anything of the right shape;
     ``None``: every rank slices its own copy, no collective.  A tensor whose data is not
-    materialized yet (``has_init``, MindSpore's lazy initializer, the analogue of torch's meta
-    tensors) never communicates: each rank materializes it itself, so seed the ranks alike."""
+    materialized yet (``has_init``, MindSpore's lazy initializer) is materialized on every rank
+    and then treated alike: the source's draw is broadcast, so the ranks need not be seeded alike
+    (with ``src_data_rank=None`` each rank keeps its own draw: seed them alike)."""
     mesh = resolve_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
     gshape = tuple(Tensor.shape.fget(tensor))
-    pl = distribute_placements(gshape, mesh, placements)
+    pl = distribute_placements(gshape, mesh, placements, uneven=True)
     _check_reduce_ops(pl, tensor.dtype)
     if getattr(tensor, "has_init", False):
         tensor = tensor.init_data()
-        src_data_rank = None
     coord = mesh.get_coordinate()
     if coord is None:
         raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")

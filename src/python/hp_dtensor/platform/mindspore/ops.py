@@ -49,6 +49,14 @@ def _pw(linearity: str | None) -> Any:
     def rule(call: OpCall) -> Decision:
         return pointwise_rule(_with_inputs(call, _prim_inputs(call)), linearity=linearity)
 
+    return _keeps_uneven(rule)
+
+
+def _keeps_uneven(rule: Any, n_outputs: int = 1, kernel_name: str | None = None) -> Any:
+    """Mark a pointwise rule: on unevenly sharded inputs dispatch may run it shard by shard
+    (``uneven_pointwise_rule``), with ``kernel_name`` as its local kernel."""
+    rule.uneven_pointwise = n_outputs
+    rule.uneven_kernel = kernel_name
     return rule
 
 
@@ -65,12 +73,18 @@ def _add_sub(call: OpCall) -> Decision:
     return pointwise_rule(_with_inputs(call, inputs), linearity="add" if linear else None)
 
 
+_keeps_uneven(_add_sub)
+
+
 @register("Div", "RealDiv")
 def _div(call: OpCall) -> Decision:
     """x / y is linear in x only: ``ops.div(1, x)`` (a number over a DTensor) is not."""
     inputs = _prim_inputs(call)
     linear = bool(inputs) and not _not_a_dtensor(inputs[0])
     return pointwise_rule(_with_inputs(call, inputs), linearity="div" if linear else None)
+
+
+_keeps_uneven(_div)
 
 
 @register("ToDtype", "Cast")
@@ -81,6 +95,9 @@ def _cast(call: OpCall) -> Decision:
     target = inputs[1] if len(inputs) > 1 else call.kwargs.get("dtype")
     to_float = target is None or bool(getattr(target, "is_floating_point", False))
     return pointwise_rule(_with_inputs(call, inputs), linearity="mul" if to_float else None)
+
+
+_keeps_uneven(_cast)
 
 
 register("AddN")(_pw("add"))
@@ -111,6 +128,9 @@ def _dropout(call: OpCall) -> Decision:
     return Decision(dec.inputs, dec.outputs, kernel="dropout")
 
 
+_keeps_uneven(_dropout, 2, "dropout")
+
+
 @kernel("dropout")
 def _dropout_kernel(mesh: Any, decision: Decision, *args: Any) -> tuple[Tensor, Tensor]:
     prim = args[0]
@@ -118,10 +138,37 @@ def _dropout_kernel(mesh: Any, decision: Decision, *args: Any) -> tuple[Tensor, 
     keep = float(prim.attrs["keep_prob"])
     out_pl = decision.outputs[0]
     assert out_pl is not None
-    gshape = global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
+    gshape = decision.out_shape or global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
     u = Tensor(rng.uniform_local(mesh, gshape, out_pl))
     mask = (u < keep).astype(x.dtype)
     return x * mask * (1.0 / keep), mask
+
+
+@register("FuncDropoutExt")
+def _func_dropout(call: OpCall) -> Decision:
+    """mint.nn.functional.dropout(x, p, training, inplace, seed, offset): as Dropout, one output."""
+    x = call.args[0]
+    if len(call.args) > 3 and call.args[3]:
+        raise NotImplementedError("dropout(inplace=True) on a DTensor is not supported; use inplace=False")
+    dec = pointwise_rule(_with_inputs(call, (x,)), linearity=None)
+    return Decision(dec.inputs, dec.outputs, kernel="func_dropout")
+
+
+_keeps_uneven(_func_dropout, 1, "func_dropout")
+
+
+@kernel("func_dropout")
+def _func_dropout_kernel(mesh: Any, decision: Decision, x: Any, p: Any = 0.5, training: Any = True,
+                         *rest: Any) -> Tensor:
+    x = C._plain(x)
+    if not training or float(p) == 0.0:
+        return x * 1.0  # a new tensor, as the op returns one
+    keep = 1.0 - float(p)
+    out_pl = decision.outputs[0]
+    assert out_pl is not None
+    gshape = decision.out_shape or global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
+    mask = (Tensor(rng.uniform_local(mesh, gshape, out_pl)) < keep).astype(x.dtype)
+    return x * mask * (1.0 / keep) if keep > 0 else x * mask
 
 
 # ---------------------------------------------------------------- matrix products

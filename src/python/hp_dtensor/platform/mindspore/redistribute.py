@@ -67,14 +67,8 @@ class _Primitives:
     chunk = staticmethod(C._chunk)
     zeros_like = staticmethod(ops.zeros_like)
 
-    @staticmethod
-    def narrow(t: Any, dim: int, start: int, length: int) -> Any:
-        raise NotImplementedError("uneven sharding is not supported on the MindSpore backend yet")
-
-    @staticmethod
-    def pad(t: Any, dim: int, size: int) -> Any:
-        # the DTensor API refuses uneven layouts on this backend, so a plan never pads
-        raise NotImplementedError("uneven sharding is not supported on the MindSpore backend yet")
+    narrow = staticmethod(C.narrow)
+    pad = staticmethod(C.pad)
     all_gather = staticmethod(C.all_gather)
     all_reduce = staticmethod(C.all_reduce)
     reduce_scatter = staticmethod(C.reduce_scatter)

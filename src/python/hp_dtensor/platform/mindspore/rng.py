@@ -11,11 +11,13 @@ identical on every rank and sharded results are the matching slice of the single
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import numpy as np
 
-from hp_dtensor.placement_types import Placement, Shard
+from hp_dtensor.placement_types import Placement
+from hp_dtensor.shard_geometry import local_shape_and_offset
 
 _state: dict[str, Any] = {"seed": None, "offset": 0}
 
@@ -42,19 +44,40 @@ def _agreed_seed(mesh: Any) -> int:
     return int(_state["seed"])
 
 
-def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:
-    """Uniform [0, 1) float32 values of the next draw of ``global_shape``, this rank's slice."""
+class Draw(enum.Enum):
+    """The distributions the job-wide stream draws (float32 on every rank, cast by the caller)."""
+
+    UNIFORM = "uniform"  # [0, 1)
+    NORMAL = "normal"  # mean 0, std 1
+
+
+def draw_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...],
+               kind: Draw = Draw.UNIFORM) -> np.ndarray:
+    """This rank's slice of the next draw of ``global_shape`` from the job-wide stream.
+
+    Every rank draws the global tensor at the same offset and keeps the ``torch.chunk``-style
+    block its ``Shard`` placements select (uneven shards included), so the slices of all ranks tile
+    the one draw; ``Replicate`` and ``Partial`` mesh dims keep the whole extent (what a ``Partial``
+    term means is the caller's decision).  The offset advances by the global element count, which
+    is more counter steps than either distribution consumes, so consecutive draws never overlap."""
     seed = _agreed_seed(mesh)
     offset = int(_state["offset"])
     numel = int(np.prod(global_shape, dtype=np.int64))
     _state["offset"] = offset + numel
     gen = np.random.Generator(np.random.Philox(key=seed, counter=offset))
-    full = gen.random(global_shape, dtype=np.float32)
+    if kind is Draw.UNIFORM:
+        full = gen.random(global_shape, dtype=np.float32)
+    else:
+        full = gen.standard_normal(global_shape, dtype=np.float32)
     coord = mesh.get_coordinate()
-    for k, p in enumerate(placements):
-        if isinstance(p, Shard):
-            full = np.split(full, mesh.shape[k], axis=p.dim)[coord[k]]
-    return np.ascontiguousarray(full)
+    shape, start = local_shape_and_offset(global_shape, mesh.shape, placements, coord)
+    index = tuple(slice(o, o + n) for o, n in zip(start, shape))
+    return np.ascontiguousarray(full[index])
+
+
+def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:
+    """Uniform [0, 1) float32 values of the next draw of ``global_shape``, this rank's slice."""
+    return draw_local(mesh, global_shape, placements, Draw.UNIFORM)
 
 
 class _MindSporeRNG:
