@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.placement_types import Replicate
+from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
@@ -177,7 +177,14 @@ def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
                 key_parts.append("scalar-tensor")
         else:
             cls = leaf.__class__
-            key_parts.append(leaf if cls is int else (cls, leaf))
+            if cls is int:
+                key_parts.append(leaf)
+            elif cls is float and _is_pointwise(func):
+                # A pointwise rule looks at which operands are numbers, never at their values, so
+                # one decision serves every value (an optimizer's step sizes change every step).
+                key_parts.append(float)
+            else:
+                key_parts.append((cls, leaf))
     assert mesh is not None
     if has_plain:
         flat = _as_dtensors(flat, mesh)
@@ -396,9 +403,58 @@ def _wrap(out: Any, mesh: Any, decision: Decision, out_shapes: list[tuple[int, .
     return pytree.tree_unflatten(res, spec)
 
 
+_pointwise_funcs: dict[Any, bool] = {}
+
+
+def _is_pointwise(func: Any) -> bool:
+    known = _pointwise_funcs.get(func)
+    if known is None:
+        known = _pointwise_funcs[func] = bool(getattr(_find_rule(func), "uneven_pointwise", None))
+    return known
+
+
+def _foreach_locally(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> tuple[bool, Any]:
+    """A pointwise foreach op whose list entries at each position are DTensors of one layout with
+    no Partial (what an optimizer step passes) runs as one local foreach call on the shards: the
+    rule would keep every layout and move nothing.  (False, None) when it does not apply."""
+    if kwargs or not _is_pointwise(func) or _loss_parallel.enabled():
+        return False, None
+    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
+    specs: list[DTensorSpec] = []
+    for i in range(n):
+        spec = None
+        for lst in lists:
+            x = lst[i]
+            if isinstance(x, DTensor):
+                if spec is None:
+                    spec = x._spec
+                elif x._spec != spec:
+                    return False, None
+            elif not isinstance(x, (int, float)):  # a plain tensor in a list: let the rules decide
+                return False, None
+        if spec is None or any(isinstance(p, Partial) for p in spec.placements):
+            return False, None
+        specs.append(spec)
+    local_args = tuple(
+        [x._local_tensor if isinstance(x, DTensor) else x for x in a]
+        if isinstance(a, (list, tuple)) and len(a) == n else a
+        for a in args
+    )
+    if any(isinstance(a, DTensor) for a in local_args):  # a DTensor scalar operand: use the rules
+        return False, None
+    out = func(*local_args)
+    if _is_inplace(func) or out is None:
+        return True, None
+    return True, [DTensor(o, spec) for o, spec in zip(out, specs)]
+
+
 def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Foreach ops run element by element through the same rules (one list entry at a time)."""
+    """Foreach ops run as one local call when every entry keeps its layout, else element by
+    element through the same rules (one list entry at a time)."""
     n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+    done, result = _foreach_locally(func, args, kwargs, n)
+    if done:
+        return result
     results: list[Any] = []
     for i in range(n):
         sub = tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)

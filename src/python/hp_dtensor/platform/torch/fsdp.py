@@ -153,9 +153,17 @@ class _TorchFSDP:
         for dst, rows in zip(dsts, chunk_rows):
             row_numel = math.prod(dst.shape[1:]) if dst.ndim > 1 else 1
             width = rows * row_numel
-            block = per_rank[:, offset : offset + width].reshape((n * rows,) + tuple(dst.shape[1:]))
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
-                dst.copy_(block[: dst.shape[0]])
+                if dst.shape[0] == n * rows:  # even: one strided copy straight into place
+                    dst.view(n, width).copy_(per_rank[:, offset : offset + width])
+                else:  # uneven: each rank's real rows (the last ranks' padding is skipped)
+                    flat = dst.view(-1)
+                    for r in range(n):
+                        length = max(0, min(rows, dst.shape[0] - r * rows))
+                        if length:
+                            flat[r * width : r * width + length * row_numel].copy_(
+                                per_rank[r, offset : offset + length * row_numel]
+                            )
             offset += width
 
     @staticmethod
