@@ -49,7 +49,7 @@ from hp_dtensor.platform.torch.process_group import (
     is_initialized,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
-from hp_dtensor.platform.torch.state_dict import (
+from hp_dtensor.platform.torch.checkpoint_state import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
