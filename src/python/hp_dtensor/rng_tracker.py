@@ -21,7 +21,7 @@ import warnings
 from typing import Protocol
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.platform import current as _platform
+from hp_dtensor.platform import backend_primitives
 
 
 class RNGPrimitives(Protocol):
@@ -44,12 +44,10 @@ _synced: set[tuple[int, ...]] = set()
 
 
 def _primitives() -> RNGPrimitives:
-    prims: RNGPrimitives | None = getattr(_platform(), "RNG", None)
-    if prims is None:
-        raise NotImplementedError(
-            f"random ops on DTensors are not supported on the {_platform().NAME} backend yet; "
-            f"draw a plain tensor with the same seed on every rank and use DTensor.from_local"
-        )
+    prims: RNGPrimitives = backend_primitives(
+        "RNG", "random ops on DTensors",
+        "draw a plain tensor with the same seed on every rank and use DTensor.from_local",
+    )
     return prims
 
 

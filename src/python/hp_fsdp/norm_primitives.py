@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from hp_dtensor.platform import current as _platform
+from hp_dtensor.platform import backend_primitives
 
 Tensor = Any  # the framework's tensor type
 
@@ -32,10 +32,7 @@ class GradNormPrimitives(Protocol):
 
 
 def grad_norm_primitives() -> GradNormPrimitives:
-    prims: GradNormPrimitives | None = getattr(_platform(), "GRAD_NORM", None)
-    if prims is None:
-        raise NotImplementedError(
-            f"clip_grad_norm_ is not supported on the {_platform().NAME} backend yet; "
-            f"use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
-        )
+    prims: GradNormPrimitives = backend_primitives(
+        "GRAD_NORM", "clip_grad_norm_", "use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
+    )
     return prims

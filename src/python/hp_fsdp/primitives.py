@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hp_dtensor import DeviceMesh, Placement
-from hp_dtensor.platform import current as _platform
+from hp_dtensor.platform import backend_primitives
 
 Tensor = Any  # the framework's tensor type (torch.Tensor, mindspore.Tensor)
 
@@ -60,10 +60,7 @@ class FSDPPrimitives(Protocol):
 
 
 def fsdp_primitives() -> FSDPPrimitives:
-    prims: FSDPPrimitives | None = getattr(_platform(), "FSDP", None)
-    if prims is None:
-        raise NotImplementedError(
-            f"fully_shard is not supported on the {_platform().NAME} backend yet; "
-            f"use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
-        )
+    prims: FSDPPrimitives = backend_primitives(
+        "FSDP", "fully_shard", "use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
+    )
     return prims

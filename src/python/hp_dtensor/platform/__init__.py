@@ -13,6 +13,7 @@ import importlib.util
 import os
 from functools import lru_cache
 from types import ModuleType
+from typing import Any
 
 _KNOWN = ("torch", "mindspore")
 
@@ -43,3 +44,13 @@ def current() -> ModuleType:
     """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``)."""
     name = platform_name()
     return importlib.import_module(f"hp_dtensor.platform.{name}")
+
+
+def backend_primitives(name: str, feature: str, instead: str) -> Any:
+    """The primitives object ``name`` (``RNG``, ``FSDP``, ``GRAD_NORM``...) the selected backend
+    exports for one feature; ``NotImplementedError`` naming the backend and what to do ``instead``
+    when it has none.  Callers type the result with the feature's own Protocol."""
+    prims = getattr(current(), name, None)
+    if prims is None:
+        raise NotImplementedError(f"{feature} is not supported on the {current().NAME} backend yet; {instead}")
+    return prims

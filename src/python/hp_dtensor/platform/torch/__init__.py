@@ -3,6 +3,12 @@
 from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
+from hp_dtensor.platform.torch.checkpoint_state import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
@@ -49,12 +55,6 @@ from hp_dtensor.platform.torch.process_group import (
     is_initialized,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
-from hp_dtensor.platform.torch.checkpoint_state import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 NAME = "torch"
 
