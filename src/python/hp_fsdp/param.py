@@ -8,8 +8,7 @@ ranks padding past the end, so uneven dims never show in the sharded parameter's
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hp_dtensor import DeviceMesh, Placement
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
@@ -35,11 +34,6 @@ class FSDPParam:
     tp_placements: tuple[Placement, ...]
     unsharded_param: Tensor | None = None
     unsharded_local: Tensor | None = None
-    hook_handles: list[object] = field(default_factory=list)
-
-    @property
-    def shard_numel(self) -> int:
-        return math.prod(self.shard_shape)
 
 
 def make_fsdp_param(

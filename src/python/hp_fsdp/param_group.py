@@ -34,6 +34,7 @@ class FSDPParamGroup:
     ) -> None:
         self.prims = prims
         self.params = list(params)
+        self.needs_grad = [p for p in self.params if p.requires_grad]  # whose gradients are reduced
         self.info = info
         self.mp = mp
         self.compute_device = compute_device
@@ -58,9 +59,6 @@ class FSDPParamGroup:
         # Groups whose reduce_scatter is in flight, shared by every group under one root.
         self.reduce_queue: list[FSDPParamGroup] = []
 
-    @property
-    def needs_grad(self) -> list[FSDPParam]:
-        return [p for p in self.params if p.requires_grad]
 
     # ----- unshard / reshard -----
     def unshard(self, *, async_op: bool = False) -> None:
@@ -119,7 +117,6 @@ class FSDPParamGroup:
             p.orig_dtype = prims.dtype_of(current)
             p.unsharded_param = None
             p.unsharded_local = None
-            p.hook_handles.clear()  # hooks of the dropped unsharded parameters die with them
         if self.params:
             self.compute_device = prims.device_of(prims.local_of(self.params[0].sharded_param))
             if self.mp.param_dtype is None:
@@ -141,7 +138,7 @@ class FSDPParamGroup:
         # The tensor whose storage is freed and refilled: the one the parameter itself views.
         p.unsharded_local = self.prims.local_of(param)
         if p.requires_grad:
-            p.hook_handles.append(self.prims.register_post_accumulate_grad_hook(param, self._on_grad))
+            self.prims.register_post_accumulate_grad_hook(param, self._on_grad)
 
     def _swap(self, p: FSDPParam, value: Tensor) -> None:
         plat = _platform()

@@ -23,6 +23,11 @@ from hp_dtensor.platform.torch import collectives
 from hp_dtensor.platform.torch.dtensor import DTensor
 
 
+def _row_numel(t: torch.Tensor) -> int:
+    """Elements per row of dim 0."""
+    return math.prod(t.shape[1:]) if t.ndim > 1 else 1
+
+
 class _Pending:
     """A collective started on the process group's worker threads; ``wait()`` returns its output."""
 
@@ -68,10 +73,6 @@ class _TorchFSDP:
         return t.dtype
 
     @staticmethod
-    def is_floating_dtype(dtype: Any) -> bool:
-        return isinstance(dtype, torch.dtype) and dtype.is_floating_point
-
-    @staticmethod
     def device_of(t: Any) -> torch.device:
         return t.device
 
@@ -106,11 +107,6 @@ class _TorchFSDP:
         out = t.to(device, non_blocking=False)
         return out.pin_memory() if pin and out.device.type == "cpu" and torch.cuda.is_available() else out
 
-    @staticmethod
-    def nbytes(t: Any) -> int:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        return int(local.numel() * local.element_size())
-
     # ----- storage that can be freed while autograd holds the tensor -----
     @staticmethod
     def free_storage(t: torch.Tensor) -> None:
@@ -125,22 +121,20 @@ class _TorchFSDP:
         if storage.size() != need:
             storage.resize_(need)
 
-    @staticmethod
-    def storage_bytes(t: torch.Tensor) -> int:
-        return int(t.untyped_storage().size())
-
     # ----- flat buffers for one collective per group -----
     @staticmethod
     def gather_copy_in(shards: Sequence[torch.Tensor], chunk_rows: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's contribution: each shard padded to ``chunk_rows`` rows, cast, concatenated."""
-        parts = []
-        for shard, rows in zip(shards, chunk_rows):
-            flat = shard.reshape(-1).to(dtype)
-            want = rows * (math.prod(shard.shape[1:]) if shard.ndim > 1 else 1)
-            if flat.numel() < want:
-                flat = torch.cat([flat, flat.new_zeros(want - flat.numel())])
-            parts.append(flat)
-        return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        """This rank's contribution: each shard cast and copied into its ``chunk_rows`` rows of one
+        buffer, the rows past its end zeroed."""
+        widths = [rows * _row_numel(s) for s, rows in zip(shards, chunk_rows)]
+        out = torch.empty(sum(widths), dtype=dtype, device=shards[0].device)
+        offset = 0
+        for shard, width in zip(shards, widths):
+            n = shard.numel()
+            out[offset : offset + n].copy_(shard.reshape(-1))
+            out[offset + n : offset + width].zero_()
+            offset += width
+        return out
 
     @staticmethod
     def gather_copy_out(
@@ -151,7 +145,7 @@ class _TorchFSDP:
         per_rank = gathered.view(n, -1)
         offset = 0
         for dst, rows in zip(dsts, chunk_rows):
-            row_numel = math.prod(dst.shape[1:]) if dst.ndim > 1 else 1
+            row_numel = _row_numel(dst)
             width = rows * row_numel
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(dst):
                 if dst.shape[0] == n * rows:  # even: one strided copy straight into place
@@ -170,14 +164,23 @@ class _TorchFSDP:
     def scatter_copy_in(
         grads: Sequence[torch.Tensor], n: int, chunk_rows: Sequence[int], dtype: torch.dtype
     ) -> torch.Tensor:
-        """Rank-major flat input of a reduce_scatter: for rank r, every parameter's rows of chunk r."""
-        blocks = []
-        for g, rows in zip(grads, chunk_rows):
-            g = g.detach().to(dtype)
-            if g.shape[0] < n * rows:
-                g = torch.cat([g, g.new_zeros((n * rows - g.shape[0],) + tuple(g.shape[1:]))])
-            blocks.append(g.reshape(n, -1))
-        return torch.cat(blocks, dim=1).reshape(-1) if len(blocks) > 1 else blocks[0].reshape(-1).contiguous()
+        """Rank-major flat input of a reduce_scatter: for rank r, every parameter's rows of chunk r
+        (cast; rows past a parameter's end zeroed)."""
+        widths = [rows * _row_numel(g) for g, rows in zip(grads, chunk_rows)]
+        out = torch.empty((n, sum(widths)), dtype=dtype, device=grads[0].device)
+        offset = 0
+        for g, rows, width in zip(grads, chunk_rows, widths):
+            g = g.detach()
+            if g.shape[0] == n * rows:  # even: one strided copy
+                out[:, offset : offset + width].copy_(g.reshape(n, width))
+            else:
+                flat, row_numel = g.reshape(-1), width // rows if rows else 0
+                for r in range(n):
+                    valid = max(0, min(rows, g.shape[0] - r * rows)) * row_numel
+                    out[r, offset : offset + valid].copy_(flat[r * width : r * width + valid])
+                    out[r, offset + valid : offset + width].zero_()
+            offset += width
+        return out.reshape(-1)
 
     @staticmethod
     def scatter_copy_out(
