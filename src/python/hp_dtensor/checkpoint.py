@@ -17,14 +17,15 @@ Only the torch platform implements it so far.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 from hp_dtensor.checkpoint_layout import CheckpointError
 from hp_dtensor.platform import current
 
 
-def _backend() -> ModuleType:
+def _backend() -> Any:
+    """The backend module, when it implements sharded checkpoints (an optional feature, outside
+    the backend contract)."""
     plat = current()
     if not hasattr(plat, "dcp_save"):
         raise NotImplementedError(f"sharded checkpoints are not implemented on the {plat.NAME} platform yet")

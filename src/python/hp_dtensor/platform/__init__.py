@@ -3,7 +3,7 @@
 ``current()`` returns the backend module selected by ``HYPER_PARALLEL_PLATFORM`` (``torch`` or
 ``mindspore``), else the installed framework (torch first).  Everything framework-specific the
 core needs -- process groups, collectives, the DTensor tensor subclass and its op dispatch,
-modules and hooks -- is reached through it.
+modules and hooks -- is reached through it; ``platform.base.Backend`` is that contract.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import importlib
 import importlib.util
 import os
 from functools import lru_cache
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from hp_dtensor.platform.base import Backend
 
 _KNOWN = ("torch", "mindspore")
 
@@ -40,10 +42,17 @@ def platform_name() -> str:
 
 
 @lru_cache(maxsize=1)
-def current() -> ModuleType:
-    """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``)."""
+def current() -> Backend:
+    """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``), typed by the
+    backend contract (``platform.base.Backend``) that each backend is checked against."""
+    from hp_dtensor.platform.base import contract_gaps
+
     name = platform_name()
-    return importlib.import_module(f"hp_dtensor.platform.{name}")
+    backend = importlib.import_module(f"hp_dtensor.platform.{name}")
+    gaps = contract_gaps(backend)
+    if gaps:
+        raise ImportError(f"the {name} backend does not meet the backend contract: {gaps}")
+    return cast("Backend", backend)
 
 
 def backend_primitives(name: str, feature: str, instead: str) -> Any:

@@ -50,7 +50,7 @@ def _ms_scheduler_main(env: dict[str, str]) -> None:
 
 
 def _rank_main(
-    rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any, env: dict[str, str]
+    rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str]
 ) -> None:
     os.environ.update(env)
     from hp_dtensor.platform import current
@@ -79,7 +79,7 @@ def _rank_main(
 class RankPool:
     """``world_size`` rank processes; start on first ``run``; ``close`` (or ``with``) stops them."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 60.0,
+    def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = 60.0,
                  start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -1,8 +1,11 @@
 """The MindSpore backend of the platform layer (PyNative mode; mccl on CPU, hccl on Ascend)."""
 
+from typing import TYPE_CHECKING
+
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
 from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
+from hp_dtensor.platform.mindspore.collectives import COLLECTIVES
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.modules import (
@@ -54,8 +57,15 @@ def set_num_threads(n: int) -> None:
     """MindSpore sizes its CPU thread pool from the context; nothing to do per process."""
 
 
+if TYPE_CHECKING:
+    # mypy checks this module against the backend contract.
+    from hp_dtensor.platform import mindspore as _self
+    from hp_dtensor.platform.base import Backend
+
+    _conforms: Backend = _self
+
 __all__ = [
-    "NAME", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
+    "NAME", "COLLECTIVES", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",

@@ -298,3 +298,22 @@ def gather_int_table(table: np.ndarray, group: Any, n: int, index: int) -> np.nd
     record("all_gather", int(table.nbytes) * n)
     rows = _gather_numpy(np.ascontiguousarray(table, np.int64), group, n, index)
     return rows.reshape((-1,) + table.shape[1:])
+
+
+class _Collectives:
+    """MindSpore's ``Collectives`` (the backend contract's one signature per collective),
+    composed where the CPU backend lacks a native one."""
+
+    chunk = staticmethod(_chunk)
+    zeros_like = staticmethod(ops.zeros_like)
+    narrow = staticmethod(narrow)
+    pad = staticmethod(pad)
+    all_gather = staticmethod(all_gather)
+    all_reduce = staticmethod(all_reduce)
+    reduce_scatter = staticmethod(reduce_scatter)
+    all_to_all = staticmethod(all_to_all)
+    broadcast = staticmethod(broadcast)
+    barrier = staticmethod(barrier)
+
+
+COLLECTIVES = _Collectives()

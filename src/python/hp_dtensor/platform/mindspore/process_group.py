@@ -70,14 +70,23 @@ def ensure_process_group(device_type: str) -> None:
     _state.update(initialized=True, single=False)
 
 
-def init_rank(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join a job as ``rank`` of ``world_size``.  MindSpore rendezvouses at its scheduler, whose
-    address the launcher (msrun, RankPool) put in the MS_* variables; ``backend`` and the
-    rendezvous ``path`` are torch's notions and unused here."""
+def init_rank(backend: str | None, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join a job as ``rank`` of ``world_size`` on CPU (mccl).  MindSpore rendezvouses at its
+    scheduler, whose address the launcher (msrun, RankPool) put in the MS_* variables, so ``path``
+    (a file-store rendezvous) is not used; ``backend`` must be ``None`` or ``"mccl"``: a torch
+    backend name (gloo, nccl) cannot be honoured and raises ``ValueError``."""
+    if backend not in (None, "mccl"):
+        raise ValueError(
+            f"backend={backend!r} is not a MindSpore CPU communication backend; pass None or 'mccl' "
+            f"(MindSpore picks hccl itself on Ascend)"
+        )
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     ensure_process_group("cpu")
     if get_world_size() != world_size or get_rank() != rank:
         raise RuntimeError(
-            f"MindSpore started rank {get_rank()} of {get_world_size()}, the pool expected {rank} of {world_size}"
+            f"MindSpore started rank {get_rank()} of {get_world_size()}, the pool expected {rank} of {world_size}; "
+            f"set MS_WORKER_NUM={world_size} and MS_NODE_ID={rank} (or launch with msrun)"
         )
 
 

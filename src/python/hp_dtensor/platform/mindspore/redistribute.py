@@ -61,21 +61,7 @@ def redistribute_local(
     return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
 
 
-class _Primitives:
-    """MindSpore's ``PlanPrimitives``: the collectives module, composed where CPU lacks them."""
-
-    chunk = staticmethod(C._chunk)
-    zeros_like = staticmethod(ops.zeros_like)
-
-    narrow = staticmethod(C.narrow)
-    pad = staticmethod(C.pad)
-    all_gather = staticmethod(C.all_gather)
-    all_reduce = staticmethod(C.all_reduce)
-    reduce_scatter = staticmethod(C.reduce_scatter)
-    all_to_all = staticmethod(C.all_to_all)
-
-
-_PRIMITIVES = _Primitives()
+_PRIMITIVES = C.COLLECTIVES
 
 
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:

@@ -1,5 +1,7 @@
 """The torch backend of the platform layer."""
 
+from typing import TYPE_CHECKING
+
 from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
@@ -9,6 +11,7 @@ from hp_dtensor.platform.torch.checkpoint_state import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from hp_dtensor.platform.torch.collectives import COLLECTIVES
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
@@ -53,6 +56,7 @@ from hp_dtensor.platform.torch.process_group import (
     init_fake,
     init_rank,
     is_initialized,
+    serve_scheduler,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
 
@@ -65,8 +69,15 @@ def set_num_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+if TYPE_CHECKING:
+    # mypy checks this module against the backend contract.
+    from hp_dtensor.platform import torch as _self
+    from hp_dtensor.platform.base import Backend
+
+    _conforms: Backend = _self
+
 __all__ = [
-    "NAME", "FSDP", "GRAD_NORM", "local_layers", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
+    "NAME", "COLLECTIVES", "serve_scheduler", "FSDP", "GRAD_NORM", "local_layers", "load_safetensors", "save_safetensors", "loss_parallel", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",

@@ -122,3 +122,57 @@ def scatter(
     record("scatter", _nbytes(out))
     dist.scatter(out, [c.contiguous() for c in chunks] if chunks is not None else None, src=src_global_rank, group=group)
     return out
+
+
+def barrier(group: Any, n: int) -> None:
+    if n == 1:
+        return
+    record("barrier", 0, n)
+    dist.barrier(group=group)
+
+
+class _Collectives:
+    """torch's ``Collectives`` (the backend contract's one signature per collective): gloo, nccl
+    and hccl need no coordinate, so ``index`` is unused here."""
+
+    @staticmethod
+    def chunk(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+        size = t.shape[dim] // n
+        return t.narrow(dim, index * size, size).contiguous()
+
+    @staticmethod
+    def narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        return t.narrow(dim, start, length).contiguous()
+
+    @staticmethod
+    def pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[dim] = size - shape[dim]
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    zeros_like = staticmethod(torch.zeros_like)
+
+    @staticmethod
+    def all_gather(t: torch.Tensor, dim: int, group: Any, n: int, index: int) -> torch.Tensor:
+        return all_gather(t, dim, group, n)
+
+    @staticmethod
+    def all_reduce(t: torch.Tensor, op: str, group: Any, n: int, index: int) -> torch.Tensor:
+        return all_reduce(t, op, group, n)
+
+    @staticmethod
+    def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int, index: int) -> torch.Tensor:
+        return reduce_scatter(t, dim, op, group, n)
+
+    @staticmethod
+    def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> torch.Tensor:
+        return all_to_all(t, split_dim, concat_dim, group, n)
+
+    @staticmethod
+    def broadcast(t: torch.Tensor, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> torch.Tensor:
+        return broadcast(t, src_global_rank, group)
+
+    barrier = staticmethod(barrier)
+
+
+COLLECTIVES = _Collectives()

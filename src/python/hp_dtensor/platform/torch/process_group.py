@@ -48,13 +48,19 @@ def ensure_process_group(device_type: str) -> None:
     dist.init_process_group(backend)
 
 
-def init_rank(backend: str, path: str, rank: int, world_size: int, timeout_s: float) -> None:
+def init_rank(backend: str | None, path: str, rank: int, world_size: int, timeout_s: float) -> None:
     """Join a job as ``rank`` of ``world_size``: the default group rendezvouses on a FileStore at
-    ``path`` (no TCP port to collide on)."""
+    ``path`` (no TCP port to collide on); ``backend=None`` is gloo."""
     store = dist.FileStore(path, world_size)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        backend or backend_for("cpu"), store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def serve_scheduler() -> None:
+    """torch has no separate rendezvous process (ranks meet on a store): nothing to serve."""
+    raise RuntimeError("the torch backend has no scheduler process; ranks rendezvous through init_rank's store")
 
 
 def init_fake(rank: int, world_size: int) -> None:

@@ -28,44 +28,7 @@ def redistribute_local(
     return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
 
 
-class _Primitives:
-    """torch's ``PlanPrimitives`` over gloo/nccl collectives (which need no coordinate)."""
-
-    @staticmethod
-    def chunk(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
-        size = t.shape[dim] // n
-        return t.narrow(dim, index * size, size).contiguous()
-
-    @staticmethod
-    def narrow(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
-        return t.narrow(dim, start, length).contiguous()
-
-    @staticmethod
-    def pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-        shape = list(t.shape)
-        shape[dim] = size - shape[dim]
-        return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-    zeros_like = staticmethod(torch.zeros_like)
-
-    @staticmethod
-    def all_gather(t: torch.Tensor, dim: int, group: Any, n: int, index: int) -> torch.Tensor:
-        return C.all_gather(t, dim, group, n)
-
-    @staticmethod
-    def all_reduce(t: torch.Tensor, op: str, group: Any, n: int, index: int) -> torch.Tensor:
-        return C.all_reduce(t, op, group, n)
-
-    @staticmethod
-    def reduce_scatter(t: torch.Tensor, dim: int, op: str, group: Any, n: int, index: int) -> torch.Tensor:
-        return C.reduce_scatter(t, dim, op, group, n)
-
-    @staticmethod
-    def all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> torch.Tensor:
-        return C.all_to_all(t, split_dim, concat_dim, group, n)
-
-
-_PRIMITIVES = _Primitives()
+_PRIMITIVES = C.COLLECTIVES
 
 
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:

@@ -1,0 +1,33 @@
+"""The MindSpore backend supplies every name of the backend contract; ``init_rank`` refuses what
+it cannot honour instead of ignoring it."""
+
+from __future__ import annotations
+
+import pytest
+
+import hp_dtensor.platform.mindspore as ms_backend
+from hp_dtensor.platform import current
+from hp_dtensor.platform.base import contract_gaps
+
+
+def test_mindspore_backend_conforms() -> None:
+    assert contract_gaps(ms_backend) == []
+    assert current() is ms_backend
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "hccl"])
+def test_init_rank_refuses_torch_backends(backend: str) -> None:
+    with pytest.raises(ValueError, match=f"backend='{backend}' is not a MindSpore CPU communication backend"):
+        ms_backend.init_rank(backend, "/unused", 0, 2, timeout_s=30)
+
+
+def test_init_rank_refuses_bad_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        ms_backend.init_rank(None, "/unused", 0, 2, timeout_s=0)
+
+
+def test_init_rank_names_the_world_mismatch() -> None:
+    # Without launcher variables the process is a world of one: asking for rank 0 of 2 must fail
+    # naming what to set, not run as a world of one.
+    with pytest.raises(RuntimeError, match="expected 0 of 2"):
+        ms_backend.init_rank(None, "/unused", 0, 2, timeout_s=30)
