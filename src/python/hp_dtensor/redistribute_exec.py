@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hp_dtensor.placement_types import Partial, Placement, Shard
-from hp_dtensor.redistribute_planner import RedistributePlan
+from hp_dtensor.redistribute_planner import RedistributePlan, StepKind
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset, size_before
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
 
         if n == 1:
             pass  # a mesh dim of one rank: every step on it is the identity, nothing moves
-        elif kind == "chunk":
+        elif kind is StepKind.CHUNK:
             assert isinstance(step.dst, Shard)
             d = step.dst.dim
             size = size_before(gshape, mesh.shape, state, coord, k, d)
@@ -95,11 +95,11 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
             else:
                 length, start = chunk_size_and_offset(size, n, idx)
                 local = prims.narrow(local, d, start, length)
-        elif kind == "to_partial":
+        elif kind is StepKind.TO_PARTIAL:
             assert isinstance(step.dst, Partial)
             if step.dst.reduce_op == "sum" and idx != 0:
                 local = prims.zeros_like(local)
-        elif kind == "all_gather":
+        elif kind is StepKind.ALL_GATHER:
             assert isinstance(step.src, Shard)
             d = step.src.dim
             size = size_before(gshape, mesh.shape, state, coord, k, d)
@@ -113,11 +113,11 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
                 local = _pad(prims, local, d, full)
                 local = prims.all_gather(local, d, mesh.get_group(k), n, idx)
                 local = _cut(prims, local, d, size)
-        elif kind == "all_reduce":
+        elif kind is StepKind.ALL_REDUCE:
             assert isinstance(step.src, Partial)
             if 0 not in _shape(local):
                 local = prims.all_reduce(local, step.src.reduce_op, mesh.get_group(k), n, idx)
-        elif kind == "reduce_scatter":
+        elif kind is StepKind.REDUCE_SCATTER:
             assert isinstance(step.src, Partial) and isinstance(step.dst, Shard)
             d = step.dst.dim
             size = _shape(local)[d]
@@ -131,7 +131,7 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
                 local = _pad(prims, local, d, shape[d])
                 local = prims.reduce_scatter(local, d, step.src.reduce_op, mesh.get_group(k), n, idx)
                 local = _cut(prims, local, d, length)
-        elif kind == "all_to_all":
+        elif kind is StepKind.ALL_TO_ALL:
             assert isinstance(step.src, Shard) and isinstance(step.dst, Shard)
             i, j = step.src.dim, step.dst.dim
             size_i, size_j = size_before(gshape, mesh.shape, state, coord, k, i), _shape(local)[j]

@@ -27,9 +27,11 @@ do commute.  Plans are cached.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,12 +41,28 @@ from hp_dtensor.shard_geometry import check_shard_dims, chunk_size, is_even, max
 _STEP_CHARGE = 1e-3  # tie-breaker, in elements
 
 
+class StepKind(enum.StrEnum):
+    """What one plan step does on its mesh dim.  A ``StrEnum``: its value is the collective's
+    name as ``CommDebugMode`` counts it."""
+
+    ALL_GATHER = "all_gather"  # Shard -> Replicate
+    ALL_REDUCE = "all_reduce"  # Partial -> Replicate
+    REDUCE_SCATTER = "reduce_scatter"  # Partial -> Shard
+    ALL_TO_ALL = "all_to_all"  # Shard(i) -> Shard(j)
+    CHUNK = "chunk"  # Replicate -> Shard, local
+    TO_PARTIAL = "to_partial"  # Replicate -> Partial, local
+
+    @property
+    def is_collective(self) -> bool:
+        return self not in (StepKind.CHUNK, StepKind.TO_PARTIAL)
+
+
 @dataclass(frozen=True, slots=True)
 class PlanStep:
     """One collective (or local op) on one mesh dim."""
 
     mesh_dim: int
-    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | chunk | to_partial
+    kind: StepKind
     src: Placement
     dst: Placement
 
@@ -59,46 +77,53 @@ class RedistributePlan:
     global_shape: tuple[int, ...] = ()  # what the plan was made for: the walker sizes uneven
     src: tuple[Placement, ...] = ()  # shards (and their padding) from it
 
-    def collectives(self) -> list[str]:
-        return [s.kind for s in self.steps if s.kind not in ("chunk", "to_partial")]
+    def collectives(self) -> list[StepKind]:
+        return [s.kind for s in self.steps if s.kind.is_collective]
 
 
-def _step_kind(src: Placement, dst: Placement) -> str | None:
+def step_kind(src: Placement, dst: Placement) -> StepKind | None:
+    """The one step that changes ``src`` into ``dst`` on a mesh dim; ``None`` when it takes two
+    (through ``Replicate``) or none."""
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
-            return "all_gather"
+            return StepKind.ALL_GATHER
         if isinstance(dst, Shard):
-            return "all_to_all"
+            return StepKind.ALL_TO_ALL
         return None  # Shard -> Partial goes through Replicate
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
-            return "all_reduce"
+            return StepKind.ALL_REDUCE
         if isinstance(dst, Shard):
-            return "reduce_scatter"
+            return StepKind.REDUCE_SCATTER
         return None
     if isinstance(dst, Shard):
-        return "chunk"
+        return StepKind.CHUNK
     if isinstance(dst, Partial):
-        return "to_partial"
+        return StepKind.TO_PARTIAL
     return None
 
 
-def _step_cost(kind: str, n: int, local_numel: int) -> float:
-    """Elements one rank moves for a step on a local block of ``local_numel`` (already padded)."""
-    if kind == "all_gather":
-        return (n - 1) * local_numel
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * local_numel
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (n - 1) / n * local_numel
-    return 0.0
+_PER_RANK_FACTOR: dict[str, Callable[[int], float]] = {
+    StepKind.ALL_GATHER: lambda n: float(n - 1),
+    StepKind.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    StepKind.REDUCE_SCATTER: lambda n: (n - 1) / n,
+    StepKind.ALL_TO_ALL: lambda n: (n - 1) / n,
+}
 
 
-def padded_step_numel(local: tuple[int, ...], kind: str, n: int, src: Placement, dst: Placement) -> int:
+def step_cost(kind: str, n: int, local_numel: int) -> float:
+    """Elements one rank moves for a step of ``kind`` (a ``StepKind``; local steps and anything
+    else cost 0) on a mesh dim of ``n`` ranks and a local block of ``local_numel`` (already
+    padded): the planner's cost model, shared with the sharding rules that weigh layouts."""
+    factor = _PER_RANK_FACTOR.get(kind)
+    return 0.0 if factor is None else factor(n) * local_numel
+
+
+def padded_step_numel(local: tuple[int, ...], kind: StepKind, n: int, src: Placement, dst: Placement) -> int:
     """Elements of the (padded) block a collective of ``kind`` sends, from the local shape before
     the step: a scattered dim is padded to a multiple of ``n``."""
     shape = list(local)
-    if kind in ("reduce_scatter", "all_to_all") and isinstance(dst, Shard):
+    if kind in (StepKind.REDUCE_SCATTER, StepKind.ALL_TO_ALL) and isinstance(dst, Shard):
         shape[dst.dim] = chunk_size(shape[dst.dim], n) * n
     return math.prod(shape)
 
@@ -167,14 +192,14 @@ def plan_redistribute(
             for nxt in options[k]:
                 if nxt == cur:
                     continue
-                kind = _step_kind(cur, nxt)
+                kind = step_kind(cur, nxt)
                 if kind is None or not _valid(state, k, cur, nxt):
                     continue
                 new_state = state[:k] + (nxt,) + state[k + 1 :]
                 if _mixed(new_state) or (even_only and not is_even(global_shape, mesh_shape, new_state)):
                     continue
                 numel = padded_step_numel(local, kind, mesh_shape[k], cur, nxt)
-                new_cost = cost + _step_cost(kind, mesh_shape[k], numel) + _STEP_CHARGE
+                new_cost = cost + step_cost(kind, mesh_shape[k], numel) + _STEP_CHARGE
                 if new_cost < best.get(new_state, math.inf):
                     best[new_state] = new_cost
                     heapq.heappush(
