@@ -2,10 +2,12 @@
 
 from typing import TYPE_CHECKING
 
+from hp_dtensor.platform.mindspore import dtensor as _dtensor
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
 from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.mindspore.collectives import COLLECTIVES
+from hp_dtensor.platform.mindspore.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.modules import (
@@ -49,6 +51,8 @@ from hp_dtensor.platform.mindspore.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.mindspore.rng import RNG
+
+_dtensor.install_dispatch(_dispatch)
 
 NAME = "mindspore"
 

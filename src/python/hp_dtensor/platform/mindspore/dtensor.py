@@ -10,7 +10,7 @@ convention in ``redistribute.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mindspore as ms
@@ -39,6 +39,21 @@ from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
 
 
+def _dispatch_not_installed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    raise RuntimeError("the MindSpore backend's op dispatch is not installed; import hp_dtensor.platform.mindspore")
+
+
+# The op dispatcher.  ``dispatch`` builds DTensors, so it imports this module; the backend package
+# installs it here once both are loaded, which keeps the import graph free of loops.
+_dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = _dispatch_not_installed
+
+
+def install_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+    """Route every MindSpore op on a DTensor (``__fallback__``) to ``fn(func, args, kwargs)``."""
+    global _dispatch
+    _dispatch = fn
+
+
 class DTensor(Tensor):  # type: ignore[misc]
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
 
@@ -57,9 +72,7 @@ class DTensor(Tensor):  # type: ignore[misc]
 
     @classmethod
     def __fallback__(cls, func: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from hp_dtensor.platform.mindspore.dispatch import dispatch
-
-        return dispatch(func, tuple(args), dict(kwargs or {}))
+        return _dispatch(func, tuple(args), dict(kwargs or {}))
 
     # ----- what the global tensor looks like -----
     @property

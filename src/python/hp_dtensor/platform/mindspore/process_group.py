@@ -11,16 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.platform.mindspore.world import _state
+from hp_dtensor.platform.mindspore.world import device_target as device_target  # re-exported
+from hp_dtensor.platform.mindspore.world import world_group as world_group  # re-exported
+
 _DEVICE_TARGET = {"cpu": "CPU", "npu": "Ascend"}
 _LAUNCH_VARS = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM")
 
-_state: dict[str, Any] = {"initialized": False, "single": False, "device": "CPU"}
 _groups: dict[tuple[int, ...], str] = {}
-
-
-def device_target() -> str:
-    """"CPU" or "Ascend": decides whether composed (CPU) or native (Ascend) collectives run."""
-    return str(_state["device"])
 
 
 def is_initialized() -> bool:
@@ -110,8 +109,6 @@ def destroy() -> None:
     if not _state["initialized"]:
         return
     if not _state["single"]:
-        from hp_dtensor.platform.mindspore import collectives as C
-
         C.barrier(world_group(), get_world_size())
         from mindspore.communication import release
 
@@ -134,12 +131,6 @@ def get_world_size() -> int:
     from mindspore.communication import get_group_size
 
     return int(get_group_size())
-
-
-def world_group() -> str:
-    from mindspore.communication import GlobalComm
-
-    return str(GlobalComm.WORLD_COMM_GROUP)
 
 
 def get_or_create_group(ranks: tuple[int, ...]) -> Any:

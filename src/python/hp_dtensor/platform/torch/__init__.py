@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+from hp_dtensor.platform.torch import dtensor as _dtensor
 from hp_dtensor.platform.torch import local_layers
 from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.torch.checkpoint import load_safetensors, save_safetensors
@@ -14,6 +15,7 @@ from hp_dtensor.platform.torch.checkpoint_state import (
 from hp_dtensor.platform.torch.collectives import COLLECTIVES
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
+from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
 from hp_dtensor.platform.torch.grad_norm import GRAD_NORM
@@ -59,6 +61,8 @@ from hp_dtensor.platform.torch.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
+
+_dtensor.install_dispatch(_dispatch)
 
 NAME = "torch"
 

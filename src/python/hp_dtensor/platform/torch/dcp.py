@@ -80,8 +80,6 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
     checkpoint, and no target may be ``Partial``; errors name the tensor."""
 
     def create_local_plan(self) -> LoadPlan:
-        from hp_dtensor.platform.torch.dtensor import DTensor
-
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         for fqn, obj in self.state_dict.items():
@@ -106,8 +104,9 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
                     f"checkpoint entry {fqn!r} is {md.properties.dtype} of global shape {tuple(md.size)}, "
                     f"but the state dict expects {obj.dtype} of global shape {tuple(obj.shape)}"
                 )
-            if isinstance(obj, DTensor):
-                check_no_partial(fqn, obj.placements)
+            spec = getattr(obj, "_spec", None)  # a DTensor (this module cannot import dtensor: it imports us)
+            if isinstance(spec, DTensorSpec):
+                check_no_partial(fqn, spec.placements)
         return super().create_local_plan()
 
 

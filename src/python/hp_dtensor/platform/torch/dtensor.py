@@ -7,7 +7,7 @@ are dispatched the same way and parameter gradients come out as DTensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from hp_dtensor.dtensor_spec import (
 )
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
-from hp_dtensor.platform.torch.redistribute import FromLocal, Redistribute, ToLocal
+from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
 from hp_dtensor.sharding.strides import global_strides
 
@@ -35,6 +35,21 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(shape[i + 1], 1)
     return tuple(strides)
+
+
+def _dispatch_not_installed(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    raise RuntimeError("the torch backend's op dispatch is not installed; import hp_dtensor.platform.torch")
+
+
+# The op dispatcher.  ``dispatch`` builds DTensors, so it imports this module; the backend package
+# installs it here once both are loaded, which keeps the import graph free of loops.
+_dispatch: Callable[[Any, Any, dict[str, Any]], Any] = _dispatch_not_installed
+
+
+def install_dispatch(fn: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
+    """Route every aten op on a DTensor to ``fn(func, args, kwargs)``."""
+    global _dispatch
+    _dispatch = fn
 
 
 class DTensor(torch.Tensor):
@@ -75,9 +90,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        from hp_dtensor.platform.torch.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
@@ -308,4 +321,55 @@ def _scatter_shard(
     return out if length == full else out.narrow(dim, 0, length).contiguous()
 
 
-__all__ = ["DTensor", "DTensorSpec", "distribute_tensor"]
+# ----- autograd adapters: each layout change is differentiable, its dual runs in backward -----
+class Redistribute(torch.autograd.Function):
+    """DTensor -> DTensor with new placements; backward redistributes the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, dt: Any, mesh: Any, dst: tuple[Placement, ...]) -> Any:  # type: ignore[override]
+        spec = dt._spec
+        ctx.src_spec = spec
+        local = redistribute_local(dt._local_tensor, mesh, spec.shape, spec.placements, dst)
+        if local is dt._local_tensor:
+            local = local.view_as(local)
+        return DTensor(local, DTensorSpec(mesh, dst, spec.shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        src = ctx.src_spec
+        target = grad_placements(src.placements)
+        g = grad._spec
+        local = redistribute_local(grad._local_tensor, g.mesh, g.shape, g.placements, target)
+        return DTensor(local, DTensorSpec(g.mesh, target, g.shape)), None, None
+
+
+class FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: Any) -> Any:  # type: ignore[override]
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
+        spec = ctx.spec
+        target = grad_placements(spec.placements)
+        g = grad._spec
+        local = redistribute_local(grad._local_tensor, g.mesh, g.shape, g.placements, target)
+        return local, None
+
+
+class ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, dt: Any, grad_pl: tuple[Placement, ...] | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = dt._spec
+        ctx.grad_pl = grad_pl
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        spec = ctx.spec
+        pl = ctx.grad_pl if ctx.grad_pl is not None else spec.placements
+        return DTensor(grad.contiguous(), DTensorSpec(spec.mesh, pl, spec.shape)), None
+
+
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "install_dispatch"]
