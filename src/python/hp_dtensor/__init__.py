@@ -17,9 +17,9 @@ from hp_dtensor.rng_tracker import manual_seed
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    # The backend's DTensor, distribute_tensor and loss_parallel are typed by the backend contract
+    # (the core never imports a backend, not even for types): through ``__getattr__`` below.
     from hp_dtensor.api import distribute_module
-    from hp_dtensor.platform.torch.dtensor import DTensor, distribute_tensor
-    from hp_dtensor.platform.torch.loss_parallel import loss_parallel
 
 _LAZY = {"DTensor", "distribute_tensor", "distribute_module", "loss_parallel"}
 
