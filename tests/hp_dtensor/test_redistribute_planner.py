@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.redistribute_planner import plan_redistribute
+from hp_dtensor.redistribute_planner import StepKind, plan_distribute, plan_redistribute, step_cost
 from hp_dtensor.shard_geometry import check_even_sharding, local_offset, local_shape
 
 R, P = Replicate(), Partial()
@@ -175,3 +175,32 @@ def test_plans_between_even_layouts_never_pass_an_uneven_state() -> None:
                         assert is_even(shape, mesh, state), (mesh, shape, src, dst)
                     checked += 1
     assert checked > 2000
+
+
+def test_step_kinds_are_an_enum_named_like_the_collectives() -> None:
+    plan = plan_redistribute((2, 2), (8, 8), (Partial(), Shard(0)), (Replicate(), Replicate()))
+    assert all(isinstance(s.kind, StepKind) for s in plan.steps)
+    assert sorted(plan.collectives()) == ["all_gather", "all_reduce"]
+    assert step_cost(StepKind.ALL_GATHER, 4, 10) == 30 and step_cost(StepKind.CHUNK, 4, 10) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("placements", "source", "kinds"),
+    [
+        ((Shard(0),), None, ["chunk"]),
+        ((Shard(0),), 0, ["scatter"]),
+        ((Replicate(),), None, []),
+        ((Replicate(),), 0, ["broadcast"]),
+        ((Partial(),), 0, ["broadcast", "to_partial"]),
+        # scatters first, then broadcasts on the smaller pieces, then the partial roots
+        ((Partial(), Shard(1)), 0, ["scatter", "broadcast", "to_partial"]),
+        ((Shard(0), Shard(0)), 1, ["scatter", "scatter"]),
+    ],
+)
+def test_distribute_is_the_plan_from_replicate(placements, source, kinds) -> None:
+    mesh = tuple(2 for _ in placements)
+    plan = plan_distribute(mesh, (5, 6), placements, source)
+    assert [str(s.kind) for s in plan.steps] == kinds
+    assert plan.src == tuple(Replicate() for _ in placements) and plan.source == source
+    if source is None:
+        assert plan == plan_redistribute(mesh, (5, 6), plan.src, placements)

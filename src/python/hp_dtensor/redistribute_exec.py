@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hp_dtensor.placement_types import Partial, Placement, Shard
-from hp_dtensor.redistribute_planner import RedistributePlan, StepKind
+from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.redistribute_planner import RedistributePlan, StepKind, plan_redistribute
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset, size_before
 
 if TYPE_CHECKING:
@@ -46,6 +46,13 @@ class PlanPrimitives(Protocol):
     def reduce_scatter(self, t: Any, dim: int, op: str, group: Any, n: int, index: int) -> Any: ...
 
     def all_to_all(self, t: Any, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> Any: ...
+
+    def broadcast(self, t: Any, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Any: ...
+
+    def scatter(self, t: Any, dim: int, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Any:
+        """Piece ``index`` of ``n`` equal pieces of ``dim`` of group rank ``src_index``'s ``t``
+        (every rank passes a ``t`` of the same shape)."""
+        ...
 
 
 def _shape(t: Any) -> list[int]:
@@ -146,7 +153,47 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
                 local = _pad(prims, _pad(prims, local, i, full_i), j, full_j * n)
                 local = prims.all_to_all(local, j, i, mesh.get_group(k), n, idx)
                 local = _cut(prims, _cut(prims, local, i, size_i), j, length_j)
+        elif kind is StepKind.BROADCAST:
+            assert plan.source is not None
+            if 0 not in _shape(local):
+                src_global = mesh.group_ranks(k)[plan.source]
+                local = prims.broadcast(local, plan.source, mesh.get_group(k), n, idx, src_global)
+        elif kind is StepKind.SCATTER:
+            assert isinstance(step.dst, Shard) and plan.source is not None
+            d = step.dst.dim
+            size = size_before(gshape, mesh.shape, state, coord, k, d)
+            full = chunk_size(size, n)
+            length, start = chunk_size_and_offset(size, n, idx)
+            shape = _shape(local)
+            shape[d] = full
+            if 0 in shape:  # the whole group holds nothing here: no collective
+                local = prims.narrow(local, d, start, length)
+            else:
+                src_global = mesh.group_ranks(k)[plan.source]
+                local = _pad(prims, local, d, full * n)
+                local = prims.scatter(local, d, plan.source, mesh.get_group(k), n, idx, src_global)
+                local = _cut(prims, local, d, length)
         else:  # pragma: no cover - the planner emits only the kinds above
             raise AssertionError(kind)
         state[k] = step.dst
     return local
+
+
+def redistribute_local(
+    local: Any,
+    mesh: DeviceMesh,
+    global_shape: tuple[int, ...],
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    prims: PlanPrimitives,
+) -> Any:
+    """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
+    if src == dst:
+        return local
+    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, prims)
+
+
+def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """Layout of the gradient of a value laid out as ``placements``: a gradient flowing back to a
+    ``Partial`` value is the same on every rank, so ``Replicate`` (torch's convention)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)

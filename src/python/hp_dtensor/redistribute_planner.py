@@ -51,6 +51,9 @@ class StepKind(enum.StrEnum):
     ALL_TO_ALL = "all_to_all"  # Shard(i) -> Shard(j)
     CHUNK = "chunk"  # Replicate -> Shard, local
     TO_PARTIAL = "to_partial"  # Replicate -> Partial, local
+    # Only in plans that lay out a source rank's whole tensor (``plan_distribute``):
+    SCATTER = "scatter"  # Replicate -> Shard, each rank's piece from the source
+    BROADCAST = "broadcast"  # Replicate -> Replicate, the source's value to every rank
 
     @property
     def is_collective(self) -> bool:
@@ -76,6 +79,7 @@ class RedistributePlan:
     cost: float  # elements moved per rank (on the rank with the largest shard)
     global_shape: tuple[int, ...] = ()  # what the plan was made for: the walker sizes uneven
     src: tuple[Placement, ...] = ()  # shards (and their padding) from it
+    source: int | None = None  # SCATTER/BROADCAST steps: the group rank (on each mesh dim) sending
 
     def collectives(self) -> list[StepKind]:
         return [s.kind for s in self.steps if s.kind.is_collective]
@@ -207,3 +211,30 @@ def plan_redistribute(
                         (new_cost, next(counter), new_state, steps + (PlanStep(k, kind, cur, nxt),)),
                     )
     raise ValueError(f"no redistribute plan from {src} to {dst} on mesh {mesh_shape} for shape {global_shape}")
+
+
+@lru_cache(maxsize=1024)
+def plan_distribute(
+    mesh_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    source: int | None,
+) -> RedistributePlan:
+    """Lay a whole tensor, present on every rank, out as ``placements``: the plan from
+    ``Replicate`` on every mesh dim.  ``source=None``: every rank keeps its own copy's piece (local
+    steps only).  ``source=i``: group rank ``i`` of each mesh dim is the truth, so each chunk
+    becomes a scatter from it, and every mesh dim not sharded gets a broadcast from it.  Scatters
+    run first and broadcasts after them, on the smaller pieces; a Partial dim zeroes its
+    non-root ranks only after its broadcast.  (A step along mesh dim k takes the value of the
+    rank with coordinate ``i`` on k, so the result is the source rank's, whatever the order.)"""
+    replicated = tuple(Replicate() for _ in mesh_shape)
+    base = plan_redistribute(mesh_shape, global_shape, replicated, placements)
+    if source is None:
+        return base
+    chunks = [PlanStep(s.mesh_dim, StepKind.SCATTER, s.src, s.dst) for s in base.steps if s.kind is StepKind.CHUNK]
+    sent = {s.mesh_dim for s in chunks}
+    broadcasts = [
+        PlanStep(k, StepKind.BROADCAST, Replicate(), Replicate()) for k in range(len(mesh_shape)) if k not in sent
+    ]
+    partials = [s for s in base.steps if s.kind is StepKind.TO_PARTIAL]
+    return RedistributePlan(tuple(chunks + broadcasts + partials), base.cost, global_shape, replicated, source)

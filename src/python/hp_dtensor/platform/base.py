@@ -19,37 +19,15 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from hp_dtensor.placement_types import Placement
+from hp_dtensor.redistribute_exec import PlanPrimitives
 
 
-class Collectives(Protocol):
+class Collectives(PlanPrimitives, Protocol):
     """Collectives along one mesh dim, native or composed, one signature each: ``group`` is the
     dim's process group, ``n`` its size and ``index`` this rank's coordinate on it.  Collectives
-    get equal pieces only (callers pad uneven shards).  Besides these, only the plan walker
-    (``redistribute_exec``) and the backend's collectives module issue communication."""
-
-    def chunk(self, t: Any, dim: int, n: int, index: int) -> Any:
-        """Piece ``index`` of ``n`` equal pieces of ``dim`` (local, no communication)."""
-        ...
-
-    def narrow(self, t: Any, dim: int, start: int, length: int) -> Any: ...
-
-    def pad(self, t: Any, dim: int, size: int) -> Any:
-        """``t`` with zeros appended along ``dim`` up to ``size``."""
-        ...
-
-    def zeros_like(self, t: Any) -> Any: ...
-
-    def all_gather(self, t: Any, dim: int, group: Any, n: int, index: int) -> Any: ...
-
-    def all_reduce(self, t: Any, op: str, group: Any, n: int, index: int) -> Any: ...
-
-    def reduce_scatter(self, t: Any, dim: int, op: str, group: Any, n: int, index: int) -> Any: ...
-
-    def all_to_all(self, t: Any, split_dim: int, concat_dim: int, group: Any, n: int, index: int) -> Any: ...
-
-    def broadcast(self, t: Any, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Any:
-        """Every rank gets group-rank ``src_index``'s value (same shape and dtype everywhere)."""
-        ...
+    get equal pieces only (callers pad uneven shards).  The plan walker (``redistribute_exec``)
+    uses the ``PlanPrimitives`` part; nothing outside the walker and the backend's collectives
+    module issues communication."""
 
     def barrier(self, group: Any, n: int) -> None: ...
 
@@ -189,7 +167,8 @@ def contract_gaps(backend: Any) -> list[str]:
     selected, so a backend loaded without type checking fails at selection, naming the gap."""
     gaps = [name for name in _members(Backend) if not hasattr(backend, name)]
     coll = getattr(backend, "COLLECTIVES", None)
-    gaps += [f"COLLECTIVES.{name}" for name in _members(Collectives) if not hasattr(coll, name)]
+    wanted = sorted(set(_members(Collectives)) | set(_members(PlanPrimitives)))
+    gaps += [f"COLLECTIVES.{name}" for name in wanted if not hasattr(coll, name)]
     for name in _members(Backend):
         want, got = vars(Backend).get(name), getattr(backend, name, None)
         if inspect.isfunction(want) and callable(got):

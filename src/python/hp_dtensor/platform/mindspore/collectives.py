@@ -315,5 +315,11 @@ class _Collectives:
     broadcast = staticmethod(broadcast)
     barrier = staticmethod(barrier)
 
+    @staticmethod
+    def scatter(t: Any, dim: int, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Tensor:
+        """No scatter on MindSpore's CPU backend: the source's whole value is broadcast and each
+        rank keeps its piece."""
+        return _chunk(broadcast(t, src_index, group, n, index, src_global_rank), dim, n, index)
+
 
 COLLECTIVES = _Collectives()

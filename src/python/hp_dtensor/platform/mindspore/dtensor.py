@@ -19,19 +19,17 @@ from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.dtensor_spec import (
-    DTensorSpec,
-    distribute_placements,
-    from_local_spec,
-    redistribute_target,
-    resolve_mesh,
+from hp_dtensor.dtensor_methods import (
+    DTensorMethods,
+    distribute_checked,
+    distribute_local,
+    from_local_checked,
 )
+from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.local_check import check_local_records, local_record
 from hp_dtensor.placement_types import (
-    Partial,
     Placement,
     Replicate,
-    Shard,
     check_one_reduce_op,
     normalize_placements,
 )
@@ -54,7 +52,7 @@ def install_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) 
     _dispatch = fn
 
 
-class DTensor(Tensor):  # type: ignore[misc]
+class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
 
     _spec: DTensorSpec
@@ -78,14 +76,6 @@ class DTensor(Tensor):  # type: ignore[misc]
     @property
     def shape(self) -> tuple[int, ...]:
         return self._spec.shape
-
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return self._spec.placements
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        return self._spec.mesh
 
     # ----- Python values: the global answer, the same on every rank -----
     def numel(self) -> int:
@@ -228,31 +218,16 @@ class DTensor(Tensor):  # type: ignore[misc]
             return KeepGradOnRoot.apply(local, self._spec.mesh, layout.partial)
         return local
 
-    def redistribute(
-        self,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | Placement | None = None,
-        *,
-        async_op: bool = False,
-    ) -> DTensor:
-        """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
-        if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
-            device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
+    def _check_placements(self, placements: tuple[Placement, ...]) -> None:
+        _check_reduce_ops(placements, self.dtype)
+
+    def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         spec = self._spec
-        dst = redistribute_target(spec, device_mesh, placements, uneven=True)
-        _check_reduce_ops(dst, self.dtype)
-        if dst == spec.placements:
-            return self
         layout = GradLayout()
         out = DTensor(Redistribute.apply(self._whole_grad_use(self), spec.mesh, spec.shape, spec.placements, dst, layout),
                       DTensorSpec(spec.mesh, dst, spec.shape))
         out._grad_layout = layout
         return out
-
-    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> Tensor:
-        """The whole tensor on every rank (differentiable)."""
-        rep = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
-        return rep.to_local(grad_placements=grad_placements)
 
     @staticmethod
     def from_local(
@@ -281,8 +256,9 @@ class DTensor(Tensor):  # type: ignore[misc]
         lshape = tuple(Tensor.shape.fget(local_tensor))
         if run_check:
             _check_local_metadata(local_tensor, lshape, mesh, placements, shape)
-        spec = from_local_spec(lshape, mesh, placements, shape, uneven=True)
-        _check_reduce_ops(spec.placements, local_tensor.dtype)
+        spec = from_local_checked(lshape, str(local_tensor.dtype), _is_floating(local_tensor.dtype), mesh, placements,
+                                  shape, stride)
+        check_one_reduce_op(spec.placements)
         return DTensor(local_tensor, spec)
 
 
@@ -301,13 +277,13 @@ def _reflected(dt: DTensor, other: Any, forward: str, base: Any) -> Any:
     return getattr(lifted, forward)(dt)
 
 
+def _is_floating(dtype: Any) -> bool:
+    return bool(dtype.is_floating_point)
+
+
 def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
     check_one_reduce_op(placements)
-    if any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements) and not dtype.is_floating_point:
-        raise ValueError(
-            f"Partial('avg') needs a floating-point tensor, got {dtype} (an integer average is not exact); "
-            f"use Partial('sum') and divide after reducing"
-        )
+    check_partial_dtype(placements, str(dtype), _is_floating(dtype))
 
 
 def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any,
@@ -345,32 +321,18 @@ def distribute_tensor(
     materialized yet (``has_init``, MindSpore's lazy initializer) is materialized on every rank
     and then treated alike: the source's draw is broadcast, so the ranks need not be seeded alike
     (with ``src_data_rank=None`` each rank keeps its own draw: seed them alike)."""
-    mesh = resolve_mesh(device_mesh, "distribute_tensor")
-    if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
-    gshape = tuple(Tensor.shape.fget(tensor))
-    pl = distribute_placements(gshape, mesh, placements, uneven=True)
-    _check_reduce_ops(pl, tensor.dtype)
+    spec = distribute_checked(
+        isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype), _is_floating(tensor.dtype),
+        device_mesh, placements, src_data_rank,
+    )
+    check_one_reduce_op(spec.placements)
     if getattr(tensor, "has_init", False):
         tensor = tensor.init_data()
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
     with NoFallbackGuard():
-        local = C._plain(tensor)
-        for k, p in enumerate(pl):
-            n = mesh.shape[k]
-            if src_data_rank is not None and n > 1:
-                src_global = mesh.group_ranks(k)[src_data_rank]
-                local = C.broadcast(local, src_data_rank, mesh.get_group(k), n, coord[k], src_global)
-            if isinstance(p, Shard):
-                local = C._chunk(local, p.dim, n, coord[k])
-            elif isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0:
-                local = ops.zeros_like(local)
-        local = C.copy(local)
-    return DTensor(local, DTensorSpec(mesh, pl, gshape))
+        local = C.copy(distribute_local(C._plain(tensor), spec, src_data_rank, C.COLLECTIVES))
+    return DTensor(local, spec)
 
 
 def as_parameter(dt: DTensor, old: Any) -> Any:

@@ -23,10 +23,10 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor import redistribute_exec
+from hp_dtensor.placement_types import Partial, Placement
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.redistribute_exec import run_plan
-from hp_dtensor.redistribute_planner import plan_redistribute
+from hp_dtensor.redistribute_exec import grad_placements as grad_placements  # re-exported
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
@@ -55,18 +55,7 @@ def redistribute_local(
     dst: tuple[Placement, ...],
 ) -> Tensor:
     """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
-    local = C._plain(local)
-    if src == dst:
-        return local
-    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
-
-
-_PRIMITIVES = C.COLLECTIVES
-
-
-def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """Layout of the gradient of a value with ``placements`` (Partial terms get the full gradient)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    return redistribute_exec.redistribute_local(C._plain(local), mesh, global_shape, src, dst, C.COLLECTIVES)
 
 
 def grad_back(grad: Any, mesh: DeviceMesh, global_shape: tuple[int, ...],

@@ -172,6 +172,13 @@ class _Collectives:
     def broadcast(t: torch.Tensor, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> torch.Tensor:
         return broadcast(t, src_global_rank, group)
 
+    @staticmethod
+    def scatter(
+        t: torch.Tensor, dim: int, src_index: int, group: Any, n: int, index: int, src_global_rank: int
+    ) -> torch.Tensor:
+        pieces = list(t.chunk(n, dim)) if index == src_index else None
+        return scatter(pieces, t.narrow(dim, 0, t.shape[dim] // n), src_global_rank, group)
+
     barrier = staticmethod(barrier)
 
 

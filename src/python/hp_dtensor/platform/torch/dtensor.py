@@ -14,27 +14,17 @@ import torch
 
 from hp_dtensor import from_local_check
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.dtensor_spec import (
-    DTensorSpec,
-    check_partial_dtype,
-    check_src_data_rank,
-    distribute_placements,
-    from_local_spec,
-    redistribute_target,
-    resolve_mesh,
+from hp_dtensor.dtensor_methods import (
+    DTensorMethods,
+    distribute_checked,
+    distribute_local,
+    from_local_checked,
 )
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
+from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.placement_types import Placement, Replicate, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
-from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
 from hp_dtensor.sharding.strides import global_strides
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
-    return tuple(strides)
 
 
 def _dispatch_not_installed(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -52,7 +42,7 @@ def install_dispatch(fn: Callable[[Any, Any, dict[str, Any]], Any]) -> None:
     _dispatch = fn
 
 
-class DTensor(torch.Tensor):
+class DTensor(DTensorMethods, torch.Tensor):
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
 
     _local_tensor: torch.Tensor
@@ -114,15 +104,7 @@ class DTensor(torch.Tensor):
 
         return dcp.get_tensor_shard(self._local_tensor, self._spec, index)
 
-    # ----- public API -----
-    @property
-    def placements(self) -> tuple[Placement, ...]:
-        return self._spec.placements
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        return self._spec.mesh
-
+    # ----- what DTensorMethods needs from the backend -----
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard; differentiable (the gradient comes back with ``grad_placements``,
         default this tensor's placements)."""
@@ -133,27 +115,11 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return ToLocal.apply(self, gp)  # type: ignore[no-any-return]
 
-    def redistribute(
-        self,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | Placement | None = None,
-        *,
-        async_op: bool = False,
-    ) -> DTensor:
-        """Change placements on the same mesh with the cheapest collective plan (differentiable)."""
-        if isinstance(device_mesh, (Placement, list, tuple)) and placements is None:
-            device_mesh, placements = None, device_mesh  # redistribute(placements) positional form
-        dst = redistribute_target(self._spec, device_mesh, placements, uneven=True)
-        check_partial_dtype(dst, str(self.dtype), _is_floating(self.dtype))
-        if dst == self._spec.placements:
-            return self
-        mesh = self._spec.mesh
-        return Redistribute.apply(self, mesh, dst)  # type: ignore[no-any-return]
+    def _check_placements(self, placements: tuple[Placement, ...]) -> None:
+        check_partial_dtype(placements, str(self.dtype), _is_floating(self.dtype))
 
-    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """The whole tensor on every rank (differentiable)."""
-        rep = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
-        return rep.to_local(grad_placements=grad_placements)
+    def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
+        return Redistribute.apply(self, self._spec.mesh, dst)  # type: ignore[no-any-return]
 
     @staticmethod
     def from_local(
@@ -199,14 +165,7 @@ def _from_local_spec(
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
 ) -> DTensorSpec:
-    spec = from_local_spec(local.shape, mesh, placements, shape, uneven=True)
-    check_partial_dtype(spec.placements, str(local.dtype), _is_floating(local.dtype))
-    if stride is not None and tuple(int(s) for s in stride) != _contiguous_strides(spec.shape):
-        raise ValueError(
-            f"stride={tuple(stride)} is not the contiguous stride {_contiguous_strides(spec.shape)} of "
-            f"shape {spec.shape}: DTensors describe their global tensor as contiguous"
-        )
-    return spec
+    return from_local_checked(local.shape, str(local.dtype), _is_floating(local.dtype), mesh, placements, shape, stride)
 
 
 def _checksum(t: torch.Tensor) -> tuple[int, int]:
@@ -259,66 +218,16 @@ def distribute_tensor(
     ``src_data_rank=0``: group-rank 0 of each mesh dim is the source; its values are scattered or
     broadcast, so other ranks may pass anything of the right shape.  ``None``: every rank slices
     its own copy, no collective.  A meta tensor never communicates."""
-    mesh = resolve_mesh(device_mesh, "distribute_tensor")
-    if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
-    gshape = tuple(tensor.shape)
-    pl = distribute_placements(gshape, mesh, placements, uneven=True)
-    check_partial_dtype(pl, str(tensor.dtype), _is_floating(tensor.dtype))
-    check_src_data_rank(src_data_rank, mesh)
-    requires_grad = tensor.requires_grad
-    src = None if tensor.is_meta else src_data_rank
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
+    spec = distribute_checked(
+        isinstance(tensor, DTensor), tuple(tensor.shape), str(tensor.dtype), _is_floating(tensor.dtype),
+        device_mesh, placements, src_data_rank,
+    )
     with torch.no_grad():
-        local = tensor.detach()
-        for k, p in enumerate(pl):
-            n = mesh.shape[k]
-            if isinstance(p, Shard):
-                size = local.shape[p.dim]
-                length, start = chunk_size_and_offset(size, n, coord[k])
-                if src is None:
-                    local = local.narrow(p.dim, start, length)
-                else:
-                    local = _scatter_shard(local, p.dim, n, src, mesh, k, start, length)
-            else:
-                if src is not None and local.numel():
-                    local = C.broadcast(local, mesh.group_ranks(k)[src], mesh.get_group(k))
-                if isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0:
-                    local = torch.zeros_like(local)
-        local = local.contiguous()
+        source = None if tensor.is_meta else src_data_rank
+        local = distribute_local(tensor.detach(), spec, source, C.COLLECTIVES).contiguous()
         if local.data_ptr() == tensor.data_ptr() and not tensor.is_meta:
-            local = local.clone()
-    out = DTensor(local, DTensorSpec(mesh, pl, gshape), requires_grad=requires_grad)
-    return out
-
-
-def _scatter_shard(
-    local: torch.Tensor, dim: int, n: int, src: int, mesh: DeviceMesh, k: int, start: int, length: int
-) -> torch.Tensor:
-    """Scatter ``torch.chunk``-style pieces of ``dim`` from group rank ``src`` of mesh dim ``k``;
-    pieces are padded to the full chunk size for the collective and cut back to ``length``."""
-    size = local.shape[dim]
-    full = chunk_size(size, n)
-    padded_shape = list(local.shape)
-    padded_shape[dim] = full
-    if 0 in padded_shape:  # the whole group holds nothing here: no collective
-        return local.narrow(dim, start, length)
-    chunks = None
-    if mesh.get_coordinate()[k] == src:  # type: ignore[index]
-        chunks = []
-        for r in range(n):
-            piece_len, piece_start = chunk_size_and_offset(size, n, r)
-            piece = local.narrow(dim, piece_start, piece_len)
-            if piece_len < full:
-                pad = list(piece.shape)
-                pad[dim] = full - piece_len
-                piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
-            chunks.append(piece)
-    out_like = local.new_empty(padded_shape)
-    out = C.scatter(chunks, out_like, mesh.group_ranks(k)[src], mesh.get_group(k))
-    return out if length == full else out.narrow(dim, 0, length).contiguous()
+            local = local.clone()  # the DTensor owns its shard, never the caller's storage
+    return DTensor(local, spec, requires_grad=tensor.requires_grad)
 
 
 # ----- autograd adapters: each layout change is differentiable, its dual runs in backward -----

@@ -1,4 +1,4 @@
-"""Run a planned redistribution on a local tensor (the DTensor's autograd adapters are in ``dtensor``)."""
+"""The plan walker bound to torch's collectives (the DTensor's autograd adapters are in ``dtensor``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor import redistribute_exec
+from hp_dtensor.placement_types import Placement
 from hp_dtensor.platform.torch import collectives as C
-from hp_dtensor.redistribute_exec import run_plan
-from hp_dtensor.redistribute_planner import plan_redistribute
+from hp_dtensor.redistribute_exec import grad_placements as grad_placements  # re-exported
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
@@ -23,14 +23,4 @@ def redistribute_local(
     dst: tuple[Placement, ...],
 ) -> torch.Tensor:
     """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
-    if src == dst:
-        return local
-    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, _PRIMITIVES)
-
-
-_PRIMITIVES = C.COLLECTIVES
-
-
-def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """A gradient flowing back to a Partial value is the same on every rank: Replicate."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    return redistribute_exec.redistribute_local(local, mesh, global_shape, src, dst, C.COLLECTIVES)  # type: ignore[no-any-return]
