@@ -151,3 +151,11 @@ def check_one_reduce_op(placements: tuple[Placement, ...]) -> None:
             f"placements {placements} mix Partial reduce ops {ops}; a tensor's Partial placements must all "
             f"use one reduce op (reduce one mesh dim with .redistribute first, then re-partial it)"
         )
+
+
+def partials_replicated(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``placements`` with every ``Partial`` read as ``Replicate``: the layout of a value that is
+    the same on every rank where the input held terms (a gradient flowing back to a Partial
+    value, a random draw shaped like one)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+

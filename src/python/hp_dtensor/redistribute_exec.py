@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.placement_types import Partial, Placement, ReduceOp, Replicate, Shard, partials_replicated
 from hp_dtensor.redistribute_planner import RedistributePlan, StepKind, plan_redistribute
 from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset, size_before
 
@@ -196,4 +196,14 @@ def redistribute_local(
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     """Layout of the gradient of a value laid out as ``placements``: a gradient flowing back to a
     ``Partial`` value is the same on every rank, so ``Replicate`` (torch's convention)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+    return partials_replicated(placements)
+
+
+def reduce_over(local: Any, mesh: DeviceMesh, mesh_dims: tuple[int, ...], op: ReduceOp, prims: PlanPrimitives) -> Any:
+    """``local`` reduced with ``op`` (sum, avg, max, min) over the ranks of ``mesh_dims``, the
+    result on each of them: the plan from ``Partial(op)`` on those dims to ``Replicate``, one
+    all_reduce per dim.  How layout-internal reductions (a softmax's row max and sum over vocab
+    shards, a replicated input's gradient terms) reach the collectives: through the walker."""
+    src = tuple(Partial(op) if k in mesh_dims else Replicate() for k in range(mesh.ndim))
+    dst = tuple(Replicate() for _ in range(mesh.ndim))
+    return redistribute_local(local, mesh, tuple(_shape(local)), src, dst, prims)

@@ -31,6 +31,11 @@ class Collectives(PlanPrimitives, Protocol):
 
     def barrier(self, group: Any, n: int) -> None: ...
 
+    def gather_int_rows(self, rows: list[list[int]], group: Any, n: int, index: int) -> list[list[int]]:
+        """Every group member's int64 ``rows`` (same count and width everywhere), concatenated in
+        group order, exactly."""
+        ...
+
 
 class Backend(Protocol):
     """The names every backend module exports (see the module docstring)."""

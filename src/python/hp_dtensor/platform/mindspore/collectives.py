@@ -316,6 +316,10 @@ class _Collectives:
     barrier = staticmethod(barrier)
 
     @staticmethod
+    def gather_int_rows(rows: list[list[int]], group: Any, n: int, index: int) -> list[list[int]]:
+        return gather_int_table(np.array(rows, np.int64), group, n, index).tolist()  # type: ignore[no-any-return]
+
+    @staticmethod
     def scatter(t: Any, dim: int, src_index: int, group: Any, n: int, index: int, src_global_rank: int) -> Tensor:
         """No scatter on MindSpore's CPU backend: the source's whole value is broadcast and each
         rank keeps its piece."""

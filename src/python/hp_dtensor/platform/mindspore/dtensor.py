@@ -27,6 +27,7 @@ from hp_dtensor.dtensor_methods import (
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.local_check import check_local_records, local_record
+from hp_dtensor.mesh_exchange import gather_over_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
@@ -299,11 +300,9 @@ def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMe
         pl = tuple(Replicate() for _ in range(mesh.ndim))  # the caller's own error comes right after
     with NoFallbackGuard():
         data = C._to_numpy(C._plain(local)).tobytes()
-        table = np.array([local_record(lshape, str(local.dtype), pl, data)], np.int64)
-        for k in reversed(range(mesh.ndim)):
-            table = C.gather_int_table(table, mesh.get_group(k), mesh.shape[k], coord[k])
+        table = gather_over_mesh([list(local_record(lshape, str(local.dtype), pl, data))], mesh, C.COLLECTIVES)
     gshape = tuple(int(x) for x in shape) if shape is not None and len(tuple(shape)) == len(lshape) else None
-    check_local_records(table.tolist(), mesh, gshape, pl if gshape is not None else None)
+    check_local_records(table, mesh, gshape, pl if gshape is not None else None)
 
 
 def distribute_tensor(

@@ -24,10 +24,12 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
+from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.placement_types import Replicate, Shard
+from hp_dtensor.placement_types import ReduceOp, Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.redistribute_exec import reduce_over
 
 _REDUCTIONS = ("mean", "sum", "none")
 _lock = threading.Lock()
@@ -41,19 +43,24 @@ class _SumAcross(ms._Function):  # type: ignore[misc]
     gradients when it feeds each rank's own vocab slice (each holds one term)."""
 
     @staticmethod
-    def forward(ctx: Any, local: Any, group: Any, n: int, index: int, grad_sum: bool) -> Tensor:
-        ctx.meta = (group, n, index, grad_sum)
+    def forward(ctx: Any, local: Any, mesh: DeviceMesh, k: int, grad_sum: bool) -> Tensor:
+        ctx.meta = (mesh, k, grad_sum)
         with NoFallbackGuard():
-            out = C.all_reduce(local, "sum", group, n, index)
-            return out if n > 1 else ops.deepcopy(out)
+            out = _reduce_over(local, "sum", mesh, k)
+            return out if mesh.shape[k] > 1 else ops.deepcopy(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        group, n, index, grad_sum = ctx.meta
+        mesh, k, grad_sum = ctx.meta
         if grad_sum:
             with NoFallbackGuard():
-                grad = C.all_reduce(grad, "sum", group, n, index)
-        return grad, None, None, None, None
+                grad = _reduce_over(grad, "sum", mesh, k)
+        return grad, None, None, None
+
+
+def _reduce_over(t: Any, op: ReduceOp, mesh: DeviceMesh, k: int) -> Tensor:
+    """``t`` reduced over mesh dim ``k`` (the vocab shards), through the plan walker."""
+    return reduce_over(C._plain(t), mesh, (k,), op, C.COLLECTIVES)  # type: ignore[no-any-return]
 
 
 def _targets() -> list[tuple[Any, str]]:
@@ -167,14 +174,14 @@ def cross_entropy(input: DTensor, target: Any, weight: Any = None, ignore_index:
     coord = mesh.get_coordinate()
     if coord is None:
         raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
-    group, n, index = mesh.get_group(k), mesh.shape[k], coord[k]
+    n, index = mesh.shape[k], coord[k]
     x = input.to_local()
     width = int(Tensor.shape.fget(x)[class_dim])
     start = min(n_classes, index * -(-n_classes // n))  # torch.chunk's split: ceil(C / n) per rank
-    row_max = C.all_reduce(ops.stop_gradient(x.max(axis=class_dim, keepdims=True)), "max", group, n, index)
+    row_max = _reduce_over(ops.stop_gradient(x.max(axis=class_dim, keepdims=True)), "max", mesh, k)
     shifted = x - row_max
     # Each rank's slice of log-probs depends on the total: its gradient arrives in per-rank terms.
-    sum_exp = _SumAcross.apply(ops.exp(shifted).sum(axis=class_dim, keepdims=True), group, n, index, True)
+    sum_exp = _SumAcross.apply(ops.exp(shifted).sum(axis=class_dim, keepdims=True), mesh, k, True)
     logp = shifted - ops.log(sum_exp)
 
     fdtype = x.dtype
@@ -182,7 +189,7 @@ def cross_entropy(input: DTensor, target: Any, weight: Any = None, ignore_index:
     owned = ops.logical_and(valid, ops.logical_and(t_local >= 0, t_local < width))
     idx = ops.select(owned, t_local, ops.zeros_like(t_local)).astype(ms.int64)
     picked = ops.gather_elements(logp, class_dim, idx.expand_dims(class_dim)).squeeze(class_dim)
-    picked = _SumAcross.apply(picked * owned.astype(fdtype), group, n, index, False)
+    picked = _SumAcross.apply(picked * owned.astype(fdtype), mesh, k, False)
     valid_f = valid.astype(fdtype)
     if weight is not None:
         safe = ops.select(valid, target, ops.zeros_like(target)).astype(ms.int64)
@@ -199,7 +206,7 @@ def cross_entropy(input: DTensor, target: Any, weight: Any = None, ignore_index:
             smooth_local = (logp * w_local).sum(axis=class_dim)
         else:
             smooth_local = logp.sum(axis=class_dim)
-        smooth_rows = -_SumAcross.apply(smooth_local, group, n, index, False) * valid_f
+        smooth_rows = -_SumAcross.apply(smooth_local, mesh, k, False) * valid_f
         smooth = _reduce(smooth_rows, w_rows, reduction)
         loss = loss * (1.0 - label_smoothing) + smooth * (label_smoothing / n_classes)
     return DTensor(loss, DTensorSpec(mesh, rep, tuple(Tensor.shape.fget(loss))))

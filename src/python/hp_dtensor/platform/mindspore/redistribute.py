@@ -103,11 +103,8 @@ class AllReduceGrad(_GradOnly):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         mesh, mesh_dims = ctx.meta
-        coord = mesh.get_coordinate()
         with NoFallbackGuard():
-            g = C._plain(grad)
-            for k in mesh_dims:
-                g = C.all_reduce(g, "sum", mesh.get_group(k), mesh.shape[k], coord[k])
+            g = redistribute_exec.reduce_over(C._plain(grad), mesh, tuple(mesh_dims), "sum", C.COLLECTIVES)
             return g, None, None
 
 

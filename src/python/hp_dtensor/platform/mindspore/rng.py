@@ -91,13 +91,11 @@ class _MindSporeRNG:
 
     @staticmethod
     def gather_int(value: int, mesh: Any) -> list[int]:
+        from hp_dtensor.mesh_exchange import gather_over_mesh
         from hp_dtensor.platform.mindspore import collectives as C
 
         # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
-        rows = np.array([[value >> 32, value & 0xFFFFFFFF]], np.int64)
-        coord = mesh.get_coordinate()
-        for k in reversed(range(mesh.ndim)):
-            rows = C.gather_int_table(rows, mesh.get_group(k), mesh.shape[k], coord[k])
+        rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, C.COLLECTIVES)
         return [(int(hi) << 32) | int(lo) for hi, lo in rows]
 
     @staticmethod

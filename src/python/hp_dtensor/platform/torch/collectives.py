@@ -181,5 +181,12 @@ class _Collectives:
 
     barrier = staticmethod(barrier)
 
+    @staticmethod
+    def gather_int_rows(rows: list[list[int]], group: Any, n: int, index: int) -> list[list[int]]:
+        # nccl and hccl move device tensors only; gloo moves CPU tensors.
+        device = {"nccl": "cuda", "hccl": "npu"}.get(str(dist.get_backend(group)), "cpu")
+        table = torch.tensor(rows, dtype=torch.int64, device=device)
+        return all_gather(table, 0, group, n).tolist()  # type: ignore[no-any-return]
+
 
 COLLECTIVES = _Collectives()

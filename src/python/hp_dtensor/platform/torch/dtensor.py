@@ -21,6 +21,7 @@ from hp_dtensor.dtensor_methods import (
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.mesh_exchange import gather_over_mesh
 from hp_dtensor.placement_types import Placement, Replicate, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
@@ -198,12 +199,8 @@ def _run_check(
     rec = from_local_check.make_record(
         ok, tuple(local.shape), str(local.dtype), placements, shape, _checksum(local)
     )
-    # Gather every rank's record over all mesh dims (last dim first, so rows come out in the mesh's
-    # row-major rank order); every rank then decides on the same table.
-    rows = torch.tensor([rec.encode()], dtype=torch.int64, device=local.device if not local.is_meta else "cpu")
-    for k in reversed(range(mesh.ndim)):
-        rows = C.all_gather(rows.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k]).flatten(0, 1)
-    from_local_check.verify(rows.cpu().tolist(), mesh.layout)
+    # Every rank decides on the same table of every rank's record.
+    from_local_check.verify(gather_over_mesh([list(rec.encode())], mesh, C.COLLECTIVES), mesh.layout)
 
 
 def distribute_tensor(

@@ -27,9 +27,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from hp_dtensor import loss_parallel_rules as rules
-from hp_dtensor.placement_types import Replicate, Shard
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.placement_types import ReduceOp, Replicate, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
+from hp_dtensor.redistribute_exec import reduce_over
 
 aten = torch.ops.aten
 _state = threading.local()
@@ -86,7 +88,7 @@ def _cross_entropy(input: DTensor, target: Any, weight: Any = None, size_average
         tgt = tgt.narrow(call.class_dim, start, n_local)
     local = input.to_local()
     loss = _VocabParallelCrossEntropy.apply(
-        local, tgt, w, call, ignore_index, start, mesh.get_group(0), mesh.size(0)
+        local, tgt, w, call, ignore_index, start, mesh
     )
     return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
@@ -111,11 +113,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
-                call: rules.CrossEntropyCall, ignore_index: int, start: int, group: Any, n: int) -> torch.Tensor:
+                call: rules.CrossEntropyCall, ignore_index: int, start: int, mesh: DeviceMesh) -> torch.Tensor:
         cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
         n_local = x.shape[cdim]
         w_local = None if weight is None else _class_view(weight.narrow(0, start, n_local).to(x.dtype), cdim, x.ndim)
-        row_max = C.all_reduce(x.detach().amax(cdim, keepdim=True), "max", group, n)
+        row_max = _reduce(x.detach().amax(cdim, keepdim=True), "max", mesh)
         shifted = x.detach() - row_max
         exp = shifted.exp()
         if call.target_kind is rules.TargetKind.CLASS_INDEX:
@@ -124,7 +126,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             owned = valid.unsqueeze(cdim) & (t >= 0) & (t < n_local)
             picked = shifted.gather(cdim, t.clamp(0, n_local - 1)) * owned
             smooth = (shifted if w_local is None else shifted * w_local).sum(cdim, keepdim=True)
-            sums = C.all_reduce(torch.cat([exp.sum(cdim, keepdim=True), picked, smooth], cdim), "sum", group, n)
+            sums = _reduce(torch.cat([exp.sum(cdim, keepdim=True), picked, smooth], cdim), "sum", mesh)
             sum_exp, picked, smooth = sums.unbind(cdim)
             lse = sum_exp.log()
             w_total: float | torch.Tensor
@@ -140,9 +142,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             y = target.to(x.dtype) * (1 - eps) + eps / nc
             wy = y if w_local is None else y * w_local
-            sums = C.all_reduce(
+            sums = _reduce(
                 torch.cat([exp.sum(cdim, keepdim=True), (wy * shifted).sum(cdim, keepdim=True),
-                           wy.sum(cdim, keepdim=True)], cdim), "sum", group, n)
+                           wy.sum(cdim, keepdim=True)], cdim), "sum", mesh)
             sum_exp, wy_x, wy_sum = sums.unbind(cdim)
             lse = sum_exp.log()
             per = -(wy_x - lse * wy_sum)
@@ -189,7 +191,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if call.target_kind is rules.TargetKind.CLASS_INDEX:
             # ignored rows get exactly 0, as in torch, even when a mean over no rows divides by 0
             gx = gx.masked_fill(~valid.unsqueeze(cdim), 0.0)
-        return gx, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None
 
 
 def _class_sharded(x: Any, dim: int) -> bool:
@@ -206,24 +208,23 @@ def _vocab_range(x: DTensor, dim: int) -> tuple[int, int]:
     return start, n
 
 
-def _group(x: DTensor) -> tuple[Any, int]:
-    mesh = x.device_mesh
-    return mesh.get_group(0), mesh.size(0)
+def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
+    """``t`` reduced over the (1-D) vocab mesh, through the plan walker."""
+    return reduce_over(t, mesh, (0,), op, C.COLLECTIVES)  # type: ignore[no-any-return]
 
 
 def _log_softmax(x: DTensor, dim: int, half_to_float: bool) -> Any:
     local = x._local_tensor
-    group, n = _group(x)
-    row_max = C.all_reduce(local.detach().amax(dim, keepdim=True), "max", group, n)
+    mesh = x.device_mesh
+    row_max = _reduce(local.detach().amax(dim, keepdim=True), "max", mesh)
     shifted = local - row_max
-    sum_exp = C.all_reduce(shifted.exp().sum(dim, keepdim=True), "sum", group, n)
+    sum_exp = _reduce(shifted.exp().sum(dim, keepdim=True), "sum", mesh)
     return DTensor(shifted - sum_exp.log(), x._spec)
 
 
 def _log_softmax_backward(grad: DTensor, output: DTensor, dim: int, input_dtype: Any) -> Any:
-    group, n = _group(output)
     g = grad._local_tensor
-    row_sum = C.all_reduce(g.sum(dim, keepdim=True), "sum", group, n)
+    row_sum = _reduce(g.sum(dim, keepdim=True), "sum", output.device_mesh)
     return DTensor(g - output._local_tensor.exp() * row_sum, output._spec)
 
 
@@ -256,8 +257,7 @@ def _nll_forward(logp: DTensor, target: Any, weight: Any, reduction: int, ignore
     local = logp._local_tensor
     idx, owned, valid = _picked(logp, tgt, ignore_index)
     per_row = -local.gather(1, idx).squeeze(1) * owned
-    group, n = _group(logp)
-    per_row = C.all_reduce(per_row, "sum", group, n)
+    per_row = _reduce(per_row, "sum", logp.device_mesh)
     count = valid.sum().to(local.dtype)
     mesh = logp.device_mesh
     rep = (Replicate(),)

@@ -19,10 +19,13 @@ from typing import Any
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor.mesh_exchange import gather_over_mesh
+from hp_dtensor.placement_types import Placement, Replicate, partials_replicated
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
+from hp_dtensor.redistribute_exec import run_plan
+from hp_dtensor.redistribute_planner import plan_distribute
 from hp_dtensor.rng_tracker import ensure_synced
 
 aten = torch.ops.aten
@@ -43,10 +46,6 @@ _BY_VALUE = {aten.bernoulli.default, aten.bernoulli_.Tensor}
 _DROPOUT = {aten.native_dropout.default}
 
 RANDOM_OPS = frozenset(_FILL | _LIKE | _BY_VALUE | _DROPOUT)
-
-
-def _no_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _replicated(n: int) -> tuple[Placement, ...]:
@@ -87,7 +86,7 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
         return dt
     if func in _LIKE:
-        out_pl = _no_partial(spec.placements)
+        out_pl = partials_replicated(spec.placements)
         full = func(_stand_in(dt), *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
     if func in _BY_VALUE:
@@ -96,7 +95,7 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             full = torch.empty_like(probs).bernoulli_(*rest, **kw)
             dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
             return dt
-        out_pl = _no_partial(spec.placements)
+        out_pl = partials_replicated(spec.placements)
         full = func(probs, *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
     if func in _DROPOUT:
@@ -104,13 +103,13 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not train:
             # No draw: the op is the identity with an all-true mask.
             out, mask = func(dt._local_tensor, *rest, **kw)
-            mask_pl = _no_partial(spec.placements)
+            mask_pl = partials_replicated(spec.placements)
             return (
                 DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
                 DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
             )
         _, full_mask = func(_stand_in(dt), *rest, **kw)
-        mask_pl = _no_partial(spec.placements)
+        mask_pl = partials_replicated(spec.placements)
         mask = _shard_of(full_mask, mesh, mask_pl)
         scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
         # The same arithmetic as the op itself, so the result is bit-equal to one process.
@@ -132,22 +131,19 @@ class _TorchRNG:
     @staticmethod
     def gather_int(value: int, mesh: DeviceMesh) -> list[int]:
         # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
-        row = torch.tensor([[value >> 32, value & 0xFFFFFFFF]], dtype=torch.int64)
-        for k in reversed(range(mesh.ndim)):
-            row = C.all_gather(row.unsqueeze(0), 0, mesh.get_group(k), mesh.shape[k]).flatten(0, 1)
-        return [(hi << 32) | lo for hi, lo in row.tolist()]
+        rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, C.COLLECTIVES)
+        return [(hi << 32) | lo for hi, lo in rows]
 
     @staticmethod
     def broadcast_rng_state(mesh: DeviceMesh) -> bool:
         mine = torch.get_rng_state()
         state = mine
-        coord = mesh.get_coordinate()
-        assert coord is not None, "this rank is not part of the mesh"
-        # Along each mesh dim in turn from coordinate 0: afterwards every rank holds the state of
-        # the rank at coordinate (0, ..., 0).
-        for k in range(mesh.ndim):
-            if mesh.shape[k] > 1:
-                state = C.broadcast(state, mesh.group_ranks(k)[0], mesh.get_group(k))
+        assert mesh.get_coordinate() is not None, "this rank is not part of the mesh"
+        # The replicated layout of rank (0, ..., 0)'s state: one broadcast per mesh dim, run by
+        # the plan walker.
+        replicated = tuple(Replicate() for _ in range(mesh.ndim))
+        plan = plan_distribute(mesh.shape, tuple(mine.shape), replicated, 0)
+        state = run_plan(plan, mine, mesh, C.COLLECTIVES)
         changed = not torch.equal(state, mine)
         if changed:
             torch.set_rng_state(state)
