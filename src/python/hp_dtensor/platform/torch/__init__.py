@@ -11,6 +11,8 @@ from hp_dtensor.platform.torch.checkpoint_state import (
 )
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
+from hp_dtensor.platform.torch.dcp import tensor_meta
+from hp_dtensor.platform.torch.dcp import write as dcp_write
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
 from hp_dtensor.platform.torch.grad_norm import GRAD_NORM
@@ -45,6 +47,8 @@ from hp_dtensor.platform.torch.modules import (
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
+    all_gather_object,
+    broadcast_object,
     destroy,
     ensure_process_group,
     get_or_create_group,
@@ -71,6 +75,7 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
-    "FORWARD", "add_child", "dcp_load", "dcp_save", "get_model_state_dict", "get_optimizer_state_dict",
+    "FORWARD", "add_child", "all_gather_object", "broadcast_object", "dcp_load", "dcp_save", "dcp_write",
+    "tensor_meta", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",
 ]

@@ -89,3 +89,21 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
         group = dist.new_group(list(ranks))
         _groups[ranks] = group
     return group
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank of the default group (itself without a group)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank of the default group, in rank order (``[obj]`` without a group)."""
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
