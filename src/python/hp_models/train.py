@@ -148,9 +148,14 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
     from hp_dtensor.checkpoint_manifest import newest_complete
 
-    if args.resume and newest_complete(args.checkpoint_dir) is None:
-        sys.exit(f"error: --resume but no complete checkpoint (step-<N>/ with a manifest) in "
-                 f"{args.checkpoint_dir!r}; run without --resume first")
+    if args.resume:
+        found = newest_complete(args.checkpoint_dir)
+        if found is None:
+            sys.exit(f"error: --resume but no complete checkpoint (step-<N>/ with a manifest) in "
+                     f"{args.checkpoint_dir!r}; run without --resume first")
+        if found[0] >= args.steps:
+            sys.exit(f"error: --resume from {found[1]} (step {found[0]}) but --steps {args.steps}: nothing "
+                     f"left to train; pass a larger --steps (the total, counting the steps already done)")
     return config, layout
 
 
