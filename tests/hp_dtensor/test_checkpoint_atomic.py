@@ -187,3 +187,8 @@ def test_one_process_without_a_group(tmp_path: Any) -> None:
     assert [s for s, _ in complete_checkpoints(root)] == [3]
     with open(os.path.join(path, "manifest.json")) as f:
         assert json.load(f)["tensors"] == {"x": {"shape": [4], "dtype": "float32"}}
+    # the directory is plain DCP (plus manifest.json): torch's own converter reads it
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, os.path.join(root, "plain.pt"))
+    assert torch.equal(torch.load(os.path.join(root, "plain.pt"), weights_only=True)["x"], torch.arange(4.0))
