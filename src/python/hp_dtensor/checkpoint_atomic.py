@@ -102,30 +102,32 @@ def save_checkpoint(
     *,
     extra: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    group: Any = None,
 ) -> str:
     """Save ``state_dict`` atomically as ``<root>/step-<N>`` (see the module doc); every rank
     calls it with the same ``step``, ``extra`` is rank 0's.  ``keep`` prunes to the newest ``keep``
     complete checkpoints afterwards (and removes directories of crashed saves).  Returns the
-    checkpoint's path on every rank; raises ``CheckpointError`` on every rank when it failed."""
+    checkpoint's path on every rank; raises ``CheckpointError`` on every rank when it failed.
+    ``group``: the platform's process group for its collectives (default: every rank's)."""
     plat = _backend()
     rank = plat.get_rank()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-    nonce = plat.broadcast_object(new_nonce() if rank == 0 else None)
+    nonce = plat.broadcast_object(new_nonce() if rank == 0 else None, group=group)
     stage = staging_dir(root, step, nonce)
     _fault(FaultPoint.STAGED, rank, step)
-    written = plat.dcp_write(dict(state_dict), stage)
+    written = plat.dcp_write(dict(state_dict), stage, group=group)
     _fault(FaultPoint.FILES_WRITTEN, rank, step)
     error: str | None = None
     try:
         mine = file_entries(stage, written)
     except OSError as e:
         mine, error = {}, f"checkpoint save to {stage}: rank {rank} cannot checksum its files: {e}"
-    gathered = plat.all_gather_object((mine, error))
+    gathered = plat.all_gather_object((mine, error), group=group)
     outcome: tuple[str | None, str | None] = (None, None)
     if rank == 0:
         outcome = _finish(plat, state_dict, root, stage, step, gathered, extra, keep)
-    path, failure = plat.broadcast_object(outcome)
+    path, failure = plat.broadcast_object(outcome, group=group)
     if failure is not None:
         raise CheckpointError(failure)
     assert path is not None

@@ -11,7 +11,7 @@ from hp_dtensor.platform.torch.checkpoint_state import (
 )
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
-from hp_dtensor.platform.torch.dcp import tensor_meta
+from hp_dtensor.platform.torch.dcp import stage_to_cpu, tensor_meta
 from hp_dtensor.platform.torch.dcp import write as dcp_write
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
@@ -57,6 +57,7 @@ from hp_dtensor.platform.torch.process_group import (
     init_fake,
     init_rank,
     is_initialized,
+    new_world_group,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
 
@@ -76,6 +77,6 @@ __all__ = [
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
     "FORWARD", "add_child", "all_gather_object", "broadcast_object", "dcp_load", "dcp_save", "dcp_write",
-    "tensor_meta", "get_model_state_dict", "get_optimizer_state_dict",
+    "tensor_meta", "stage_to_cpu", "new_world_group", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",
 ]
