@@ -18,7 +18,7 @@ SHORT = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2"]
     (["--tp", "3"], ["tp=3 does not divide", "num_attention_heads=8"]),
     (["--config", "/nonexistent/config.json"], ["does not exist"]),
     (["--seq-len", "15"], ["--seq-len 15", "--tp 2"]),
-    (["--resume", "--checkpoint-dir", "/nonexistent/ckpt"], ["no checkpoint"]),
+    (["--resume", "--checkpoint-dir", "/nonexistent/ckpt"], ["no complete checkpoint", "/nonexistent/ckpt"]),
 ])
 def test_bad_flags_fail_before_starting(argv: list[str], words: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as info:
@@ -43,6 +43,9 @@ def test_bad_numbers_are_argparse_errors(capsys) -> None:
     with pytest.raises(SystemExit):
         train.main(["--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(["--keep", "0"])
+    assert "--keep must be >= 1" in capsys.readouterr().err
 
 
 def test_short_run_learns_matches_tp1_and_resumes(tmp_path) -> None:
@@ -53,8 +56,11 @@ def test_short_run_learns_matches_tp1_and_resumes(tmp_path) -> None:
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     assert log["max_loss_diff_vs_single"] < 1e-4
     assert (full / "loss.png").stat().st_size > 1000
-    assert {"model.safetensors", "config.json", "state.json", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(
-        os.listdir(full / "checkpoint"))
+    # sharded checkpoints at steps 6 and 12 (--keep 2), each complete with its manifest
+    assert sorted(os.listdir(full / "checkpoint")) == ["step-00000006", "step-00000012"]
+    manifest = json.loads((full / "checkpoint" / "step-00000012" / "manifest.json").read_text())
+    assert manifest["extra"]["losses"] == losses and manifest["kind"] == "dcp"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} == set(manifest["files"])
     # interrupted after 6 steps, then resumed to 12: the same losses, bit for bit
     part = tmp_path / "part"
     assert train.main(["--steps", "6", "--checkpoint-every", "6", "--out-dir", str(part), *SHORT]) == 0

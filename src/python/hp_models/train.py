@@ -7,8 +7,15 @@ reshard_after_forward_policy, disable_gradient_division, global_batch_size, loca
 flags given on the command line override it.  World = dp_replicate * dp_shard * tp ranks; each
 data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
-writes ``loss.png`` and ``log.json`` to ``--out-dir`` and a checkpoint (HF layout plus per-rank
-optimizer state) to ``--checkpoint-dir``; ``--resume`` continues from it with the same losses.
+writes ``loss.png`` and ``log.json`` to ``--out-dir``.
+
+Checkpoints go to ``--checkpoint-dir`` as ``step-<N>/`` directories: sharded (each rank writes its
+own shards through ``torch.distributed.checkpoint``), atomic (staging directory, fsync, a manifest
+with checksums written last, rename) and holding the model, the AdamW state keyed by parameter
+name, the step, the generator state, the data position and the losses so far; the newest
+``--keep`` complete ones are kept.  ``--resume`` continues from the newest complete checkpoint,
+under any parallelism (the state reshards on load), after verifying it.  Spawned ranks stop when
+the launcher dies, and the launcher stops when a rank dies.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Args:
     out_dir: str
     checkpoint_dir: str
     checkpoint_every: int
+    keep: int
     resume: bool
     seed: int
     compare_single: bool
@@ -80,12 +88,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--out-dir", default="runs/qwen3_5-tp", help="where loss.png and log.json go")
     p.add_argument("--checkpoint-dir", default=None, help="default: <out-dir>/checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (the newest ones)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (any parallelism)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
-    for name in ("tp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every"):
+    for name in ("tp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -97,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
-        checkpoint_every=ns.checkpoint_every, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
+        checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
     )
 
 
@@ -136,8 +146,16 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: {where}{e}")
     if args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
-    if args.resume and not os.path.exists(os.path.join(args.checkpoint_dir, "state.json")):
-        sys.exit(f"error: --resume but no checkpoint in {args.checkpoint_dir!r}; run without --resume first")
+    from hp_dtensor.checkpoint_manifest import newest_complete
+
+    if args.resume:
+        found = newest_complete(args.checkpoint_dir)
+        if found is None:
+            sys.exit(f"error: --resume but no complete checkpoint (step-<N>/ with a manifest) in "
+                     f"{args.checkpoint_dir!r}; run without --resume first")
+        if found[0] >= args.steps:
+            sys.exit(f"error: --resume from {found[1]} (step {found[0]}) but --steps {args.steps}: nothing "
+                     f"left to train; pass a larger --steps (the total, counting the steps already done)")
     return config, layout
 
 
@@ -213,14 +231,13 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
     import torch
 
     from hp_models import synthetic
-    from hp_models.qwen3_5 import Qwen3_5StateDictAdapter
+    from hp_models.train_checkpoint import load_train_state, save_train_state
 
     model, dp_rank = build_model(args, layout, config, distributed=distributed)
-    adapter = Qwen3_5StateDictAdapter(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, losses = 0, list[float]()
     if args.resume:
-        start, losses = _load_checkpoint(args, layout, adapter, model, opt, rank)
+        start, losses = load_train_state(args.checkpoint_dir, model, opt, seed=args.seed, announce=rank == 0)
     show = rank == 0 and not quiet
     t0 = time.perf_counter()
     tokens = 0
@@ -234,7 +251,8 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
         if show:
             _progress(step + 1, args.steps, value, tokens / max(time.perf_counter() - t0, 1e-9))
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
-            _save_checkpoint(args, layout, adapter, model, opt, rank, step + 1, losses, distributed)
+            save_train_state(args.checkpoint_dir, model, opt, step + 1, losses, seed=args.seed, keep=args.keep,
+                             layout=layout.as_dict())
     if show:
         sys.stderr.write("\n")
     elapsed = time.perf_counter() - t0
@@ -254,69 +272,13 @@ def _progress(step: int, total: int, loss: float, tok_s: float) -> None:
     sys.stderr.flush()
 
 
-def _save_checkpoint(args: Args, layout: TrainLayout, adapter: Any, model: Any, opt: Any, rank: int, step: int,
-                     losses: list[float], distributed: bool) -> None:
-    import torch
-
-    path = args.checkpoint_dir
-    adapter.save(model, path)  # collective over the ranks for the full tensors; rank 0 writes
-    state = {}
-    for i, group in enumerate(opt.param_groups):
-        for j, p in enumerate(group["params"]):
-            st = opt.state.get(p, {})
-            state[f"{i}.{j}"] = {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in st.items()}
-    os.makedirs(path, exist_ok=True)
-    torch.save(state, os.path.join(path, f"optimizer-rank{rank}.pt"))
-    if distributed:
-        import torch.distributed as dist
-
-        dist.barrier()
-    if rank == 0:
-        with open(os.path.join(path, "state.json"), "w") as f:
-            json.dump({"step": step, "losses": losses, "seed": args.seed, **_ranks_of(layout)}, f)
-
-
-def _ranks_of(layout: TrainLayout) -> dict[str, int]:
-    """How the optimizer state is split over ranks: a resume needs the same split."""
-    d = layout.dims
-    return {"tp": d.tp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard}
-
-
-def _load_checkpoint(args: Args, layout: TrainLayout, adapter: Any, model: Any, opt: Any,
-                     rank: int) -> tuple[int, list[float]]:
-    import torch
-
-    path = args.checkpoint_dir
-    with open(os.path.join(path, "state.json")) as f:
-        meta = json.load(f)
-    saved_ranks = {"dp_replicate": 1, "dp_shard": 1, **{k: meta[k] for k in ("tp", "dp_replicate", "dp_shard") if k in meta}}
-    if saved_ranks != _ranks_of(layout):
-        flags = f"--tp {saved_ranks['tp']} --dp-shard {saved_ranks['dp_shard']} --nproc " + str(
-            saved_ranks["tp"] * saved_ranks["dp_shard"] * saved_ranks["dp_replicate"])
-        raise ValueError(f"checkpoint in {path!r} was written with {saved_ranks}, this run has {_ranks_of(layout)}; "
-                         f"resume with the same layout ({flags})")
-    adapter.load_into(model, path)
-    saved = torch.load(os.path.join(path, f"optimizer-rank{rank}.pt"))
-    for i, group in enumerate(opt.param_groups):
-        for j, p in enumerate(group["params"]):
-            st = saved.get(f"{i}.{j}")
-            if not st:
-                continue
-            restored = {}
-            for k, v in st.items():
-                if hasattr(p, "placements") and v.ndim > 0:
-                    from hp_dtensor import DTensor
-
-                    restored[k] = DTensor.from_local(v, p.device_mesh, p.placements, shape=tuple(p.shape))
-                else:
-                    restored[k] = v
-            opt.state[p] = restored
-    return int(meta["step"]), list(meta["losses"])
-
-
 # ---------------------------------------------------------------- launching
-def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, results: Any) -> None:
+def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, results: Any,
+            launcher_pid: int) -> None:
     try:
+        from hp_models.launch import die_with_parent
+
+        die_with_parent(launcher_pid)
         from hp_dtensor.platform import current
 
         plat = current()
@@ -330,24 +292,47 @@ def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, 
 
 
 def run_spawned(args: Args, layout: TrainLayout) -> dict[str, Any]:
+    """Spawn the ranks and wait for them.  A rank that fails or dies (killed, out of memory) stops
+    the job: the others are killed and the error names the rank; the ranks die with the launcher."""
+    import queue
+
     ctx = mp.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="hp-train-")
     results = ctx.Queue()
     world = layout.world_size
-    procs = [ctx.Process(target=_worker, args=(r, world, args, layout, os.path.join(folder, "store"), results))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world, args, layout, os.path.join(folder, "store"), results, os.getpid()))
              for r in range(world)]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for p in procs:
         p.start()
     out: dict[str, Any] | None = None
+    done: set[int] = set()
+    silent: dict[int, int] = {}
     try:
-        for _ in procs:
-            rank, ok, value = results.get()
+        while len(done) < world:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    code = p.exitcode
+                    if r in done or code is None:
+                        continue
+                    # a rank that exits cleanly has put its result first: give the queue a moment
+                    silent[r] = silent.get(r, 0) + 1
+                    if code != 0 or silent[r] > 10:
+                        how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+                        raise RuntimeError(f"rank {r} {how} without reporting; the other ranks were stopped") from None
+                continue
+            done.add(rank)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             if rank == 0:
                 out = value
     finally:
+        for p in procs:
+            if p.exitcode is None and len(done) < world:
+                p.kill()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():

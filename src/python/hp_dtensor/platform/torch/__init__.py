@@ -16,6 +16,8 @@ from hp_dtensor.platform.torch.collectives import COLLECTIVES
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
+from hp_dtensor.platform.torch.dcp import stage_to_cpu, tensor_meta
+from hp_dtensor.platform.torch.dcp import write as dcp_write
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
 from hp_dtensor.platform.torch.grad_norm import GRAD_NORM
@@ -50,6 +52,8 @@ from hp_dtensor.platform.torch.modules import (
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
+    all_gather_object,
+    broadcast_object,
     destroy,
     ensure_process_group,
     get_or_create_group,
@@ -59,6 +63,7 @@ from hp_dtensor.platform.torch.process_group import (
     init_rank,
     is_initialized,
     serve_scheduler,
+    new_world_group,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
 
@@ -86,6 +91,7 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
-    "FORWARD", "add_child", "dcp_load", "dcp_save", "get_model_state_dict", "get_optimizer_state_dict",
+    "FORWARD", "add_child", "all_gather_object", "broadcast_object", "dcp_load", "dcp_save", "dcp_write",
+    "tensor_meta", "stage_to_cpu", "new_world_group", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",
 ]

@@ -10,19 +10,33 @@ dtype check (DCP would cast silently), and one error naming the tensor raised on
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, check_no_partial, shard_box, writes_box
 from hp_dtensor.dtensor_spec import DTensorSpec
@@ -110,6 +124,17 @@ class CheckedLoadPlanner(DefaultLoadPlanner):
         return super().create_local_plan()
 
 
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Without a process group a save or load is a one-process one, as intended: DCP's warning
+    that it assumes so is noise here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
 def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> CheckpointError:
     """DCP gathers every rank's failure and raises the same ``CheckpointException`` (a
     ``BaseException``) everywhere; turn it into one ``CheckpointError`` naming the first failure."""
@@ -134,6 +159,75 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
     on every rank naming the first offending tensor.  ``strict=False`` skips keys the checkpoint
     lacks."""
     try:
-        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=CheckedLoadPlanner(allow_partial_load=not strict))
+        with _one_process_is_intended():
+            dcp.load(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                planner=CheckedLoadPlanner(allow_partial_load=not strict),
+                no_dist=not dist.is_initialized(),
+            )
     except CheckpointException as e:
         raise _reraise(e, "checkpoint load from", checkpoint_id) from None
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer (one file per rank, fsynced), remembering the files this rank wrote, so
+    that each rank can checksum its own files for the checkpoint manifest."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.written: set[str] = set()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        for result in fut.value():
+            self.written.add(result.storage_data.relative_path)
+        return fut
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.written.add(".metadata")  # the coordinator's index of every rank's items
+
+
+def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list[str]:
+    """``save`` into ``directory`` (DCP's collectives on ``group``, default the world); returns
+    the paths (relative to it) of the files this rank wrote, each fsynced, once every rank has
+    finished (DCP's closing collective)."""
+    writer = _RecordingWriter(directory)
+    try:
+        with _one_process_is_intended():
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint save to", directory) from None
+    return sorted(writer.written)
+
+
+def tensor_meta(value: Any) -> tuple[tuple[int, ...], str] | None:
+    """Global shape and neutral dtype name (``float32``, ``bfloat16``, ...) of a tensor or
+    DTensor; ``None`` for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(value.shape), str(value.dtype).removeprefix("torch.")
+
+
+def stage_to_cpu(state_dict: Any) -> Any:
+    """A copy of a nested state dict whose tensors no later update can reach: DTensors become
+    DTensors of the same layout over cloned CPU shards, tensors CPU clones, other values deep
+    copies.  What an asynchronous save writes while training goes on."""
+    import copy
+
+    from hp_dtensor.platform.torch.dtensor import DTensor
+
+    def one(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = value._local_tensor.detach().to("cpu", copy=True)
+            return DTensor.from_local(local, value.device_mesh, value.placements, shape=tuple(value.shape))
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return {k: one(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [one(v) for v in value]
+        return copy.deepcopy(value)
+
+    return one(state_dict)
