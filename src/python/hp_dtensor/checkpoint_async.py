@@ -28,7 +28,8 @@ class AsyncCheckpointer:
     """Atomic checkpoints written in the background; see the module doc."""
 
     def __init__(self) -> None:
-        plat = current()
+        # An optional feature, outside the backend contract: only the torch backend has it.
+        plat: Any = current()
         if not hasattr(plat, "stage_to_cpu"):
             raise NotImplementedError(f"asynchronous checkpoints are not implemented on the {plat.NAME} platform yet")
         self._plat = plat

@@ -26,7 +26,6 @@ import enum
 import os
 import signal
 from collections.abc import Mapping
-from types import ModuleType
 from typing import Any
 
 from hp_dtensor.checkpoint_layout import CheckpointError
@@ -68,7 +67,9 @@ def _fault(point: FaultPoint, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _backend() -> ModuleType:
+def _backend() -> Any:
+    """The backend module, when it implements sharded checkpoints (an optional feature, outside
+    the backend contract)."""
     plat = current()
     if not hasattr(plat, "dcp_write"):
         raise NotImplementedError(f"sharded checkpoints are not implemented on the {plat.NAME} platform yet")
@@ -135,7 +136,7 @@ def save_checkpoint(
 
 
 def _finish(
-    plat: ModuleType,
+    plat: Any,
     state_dict: Mapping[str, Any],
     root: str,
     stage: str,

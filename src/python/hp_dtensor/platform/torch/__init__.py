@@ -15,9 +15,9 @@ from hp_dtensor.platform.torch.checkpoint_state import (
 from hp_dtensor.platform.torch.collectives import COLLECTIVES
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
-from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dcp import stage_to_cpu, tensor_meta
 from hp_dtensor.platform.torch.dcp import write as dcp_write
+from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.fsdp import FSDP
 from hp_dtensor.platform.torch.grad_norm import GRAD_NORM
@@ -62,8 +62,8 @@ from hp_dtensor.platform.torch.process_group import (
     init_fake,
     init_rank,
     is_initialized,
-    serve_scheduler,
     new_world_group,
+    serve_scheduler,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
 
