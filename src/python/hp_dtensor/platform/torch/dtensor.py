@@ -37,6 +37,19 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+# The op dispatcher, imported on first use (it imports this module); kept in a global so that the
+# per-op path pays no import statement.
+_dispatch: Any = None
+
+
+def _load_dispatch() -> Any:
+    global _dispatch
+    from hp_dtensor.platform.torch.dispatch import dispatch
+
+    _dispatch = dispatch
+    return dispatch
+
+
 class DTensor(torch.Tensor):
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
 
@@ -75,9 +88,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        from hp_dtensor.platform.torch.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return (_dispatch or _load_dispatch())(func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
