@@ -44,15 +44,15 @@ def call_key(
     tensor_key: Callable[[Any], Any],
     value_free_floats: bool,
 ) -> tuple[Any, ...] | None:
-    """The decision-cache key of one call, or None where an argument is nested more than one list
-    deep or is a dict (the call is then decided afresh).  A key may still hold an unhashable
-    value: look it up with ``DispatchCore.lookup``.
+    """The decision-cache key of one call, or None where an argument is a dict (the call is then
+    decided afresh).  A key may still hold an unhashable value: look it up with
+    ``DispatchCore.lookup``.
 
     Every leaf adds two entries: a DTensor its spec and dtype (a dtype can change an output shape,
     e.g. a view as another dtype), a plain tensor ``tensor_type`` and what ``tensor_key`` says,
     anything else its class and value -- or only ``float`` for a float when ``value_free_floats``
     (a pointwise rule never looks at a number's value, so an optimizer's changing step sizes
-    share one decision).  A list or tuple adds its type and length before its leaves."""
+    share one decision).  A list or tuple adds its type and length before its items."""
     parts: list[Any] = [op]
     if not _add_leaves(parts, args, dtensor_type, tensor_type, tensor_key, value_free_floats):
         return None
@@ -72,7 +72,6 @@ def _add_leaves(
     tensor_type: type,
     tensor_key: Callable[[Any], Any],
     value_free_floats: bool,
-    nested: bool = False,
 ) -> bool:
     add = parts.append
     for x in items:
@@ -87,10 +86,8 @@ def _add_leaves(
             add(float)
             add(None if value_free_floats else x)
         elif c is list or c is tuple:
-            if nested:
-                return False
             add((c, len(x)))
-            if not _add_leaves(parts, x, dtensor_type, tensor_type, tensor_key, value_free_floats, True):
+            if not _add_leaves(parts, x, dtensor_type, tensor_type, tensor_key, value_free_floats):
                 return False
         elif isinstance(x, dtensor_type):
             add(x._spec)

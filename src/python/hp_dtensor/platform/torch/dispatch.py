@@ -12,7 +12,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.dispatch_core import CachedCall, DispatchCore, call_key, check_mesh, fill_placeholders, make_cached_call
+from hp_dtensor.dispatch_core import (
+    CachedCall,
+    DispatchCore,
+    call_key,
+    check_mesh,
+    fill_placeholders,
+    make_cached_call,
+)
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
