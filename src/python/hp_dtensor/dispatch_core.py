@@ -54,8 +54,20 @@ def call_key(
     (a pointwise rule never looks at a number's value, so an optimizer's changing step sizes
     share one decision).  A list or tuple adds its type and length before its items."""
     parts: list[Any] = [op]
-    if not _add_leaves(parts, args, dtensor_type, tensor_type, tensor_key, value_free_floats):
-        return None
+    add = parts.append
+    for x in args:  # the common leaves inline (this runs on every op); the rest in _add_leaves
+        c = x.__class__
+        if c is dtensor_type:
+            add(x._spec)
+            add(x.dtype)
+        elif c is int:
+            add(int)
+            add(x)
+        elif c is float and value_free_floats:
+            add(float)
+            add(None)
+        elif not _add_leaves(parts, (x,), dtensor_type, tensor_type, tensor_key, value_free_floats):
+            return None
     if kwargs:
         parts.append(_KW)
         for name, value in kwargs.items():

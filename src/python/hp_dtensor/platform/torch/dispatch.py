@@ -184,26 +184,27 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if entry is not None and entry.direct:
         # The steady state: every DTensor stays where it is, one output of a known spec.
         out = local_op(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
-        return _new_dtensor(out, entry)
+        # Inline of _new_dtensor (this is the per-op path).
+        spec = entry.out_specs[0]  # type: ignore[index]
+        stride = out.stride()
+        strides = entry.memo.get(stride) or _strides(entry, stride)
+        r = _make_wrapper(
+            DTensor, spec.shape, strides=strides, dtype=out.dtype, device=out.device, layout=out.layout,
+            requires_grad=False,
+        )
+        r._local_tensor = out
+        r._spec = spec
+        return r
     return _dispatch_one(func, args, kwargs, key, entry)
 
 
-def _new_dtensor(out: torch.Tensor, entry: CachedCall) -> DTensor:
-    """``out`` wrapped with the entry's one output spec; the wrapper strides for each local stride
-    are computed once per entry (the same as ``DTensor(out, spec)`` gives)."""
+def _strides(entry: CachedCall, stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The wrapper strides of the entry's one output for a local output of ``stride``, computed
+    once per entry and stride (the same as ``DTensor(out, spec)`` gives)."""
     spec = entry.out_specs[0]  # type: ignore[index]
     assert spec is not None
-    stride = out.stride()
-    strides = entry.memo.get(stride)
-    if strides is None:
-        strides = entry.memo[stride] = global_strides(stride, spec.mesh.shape, spec.placements)
-    r = _make_wrapper(
-        DTensor, spec.shape, strides=strides, dtype=out.dtype, device=out.device, layout=out.layout,
-        requires_grad=False,
-    )
-    r._local_tensor = out
-    r._spec = spec
-    return r  # type: ignore[no-any-return]
+    strides = entry.memo[stride] = global_strides(stride, spec.mesh.shape, spec.placements)
+    return strides
 
 
 def _dispatch_one(
