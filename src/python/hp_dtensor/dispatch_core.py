@@ -39,8 +39,8 @@ def call_key(
     op: Any,
     args: Sequence[Any],
     kwargs: dict[str, Any],
-    dtensor_type: type,
-    tensor_type: type,
+    dtensor_type: Any,
+    tensor_type: Any,
     tensor_key: Callable[[Any], Any],
     value_free_floats: bool,
 ) -> tuple[Any, ...] | None:
@@ -80,8 +80,8 @@ def call_key(
 def _add_leaves(
     parts: list[Any],
     items: Sequence[Any],
-    dtensor_type: type,
-    tensor_type: type,
+    dtensor_type: Any,
+    tensor_type: Any,
     tensor_key: Callable[[Any], Any],
     value_free_floats: bool,
 ) -> bool:

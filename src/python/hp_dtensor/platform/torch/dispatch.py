@@ -185,7 +185,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # The steady state: every DTensor stays where it is, one output of a known spec.
         out = local_op(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
         # Inline of _new_dtensor (this is the per-op path).
-        spec = entry.out_specs[0]  # type: ignore[index]
+        spec: Any = entry.out_specs[0]  # type: ignore[index]
         stride = out.stride()
         strides = entry.memo.get(stride) or _strides(entry, stride)
         r = _make_wrapper(
