@@ -8,6 +8,7 @@ This module is pure: it imports no framework.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -151,3 +152,9 @@ def check_one_reduce_op(placements: tuple[Placement, ...]) -> None:
             f"placements {placements} mix Partial reduce ops {ops}; a tensor's Partial placements must all "
             f"use one reduce op (reduce one mesh dim with .redistribute first, then re-partial it)"
         )
+
+
+def partials_replicated(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with every ``Partial`` read as ``Replicate``: the layout of a fresh value
+    (a random draw, a factory) made in the shape of a partial tensor, which is no sum of terms."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)

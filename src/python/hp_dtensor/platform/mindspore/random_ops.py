@@ -34,15 +34,11 @@ import mindspore as ms
 import numpy as np
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor.placement_types import Partial, partials_replicated
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dispatch import random_op
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.mindspore.rng import Draw, draw_local
-
-
-def _no_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _float_dtype(dtype: Any, op: str) -> Any:
@@ -57,7 +53,7 @@ def like(dt: DTensor, kind: Draw, dtype: Any = None) -> DTensor:
     if not isinstance(dt, DTensor):
         raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
     spec = dt._spec
-    out_pl = _no_partial(spec.placements)
+    out_pl = partials_replicated(spec.placements)
     dtype = _float_dtype(dtype if dtype is not None else dt.dtype, f"{kind.value} draw")
     values = draw_local(spec.mesh, spec.shape, out_pl, kind)
     return DTensor(C._from_numpy(values, dtype), DTensorSpec(spec.mesh, out_pl, spec.shape))

@@ -183,7 +183,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key = entry = None
     if entry is not None and entry.direct:
         # The steady state: every DTensor stays where it is, one output of a known spec.
-        out = local_op(*[a._local_tensor if isinstance(a, DTensor) else a for a in args], **kwargs)
+        locals_ = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+        out = local_op(*locals_, **kwargs) if kwargs else local_op(*locals_)
         # Inline of _new_dtensor (this is the per-op path).
         spec: Any = entry.out_specs[0]  # type: ignore[index]
         stride = out.stride()

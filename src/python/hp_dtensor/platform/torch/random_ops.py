@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.placement_types import Partial, Placement, Replicate
+from hp_dtensor.placement_types import Placement, Replicate, partials_replicated
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
@@ -43,10 +43,6 @@ _BY_VALUE = {aten.bernoulli.default, aten.bernoulli_.Tensor}
 _DROPOUT = {aten.native_dropout.default}
 
 RANDOM_OPS = frozenset(_FILL | _LIKE | _BY_VALUE | _DROPOUT)
-
-
-def _no_partial(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 def _replicated(n: int) -> tuple[Placement, ...]:
@@ -87,7 +83,7 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
         return dt
     if func in _LIKE:
-        out_pl = _no_partial(spec.placements)
+        out_pl = partials_replicated(spec.placements)
         full = func(_stand_in(dt), *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
     if func in _BY_VALUE:
@@ -96,7 +92,7 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             full = torch.empty_like(probs).bernoulli_(*rest, **kw)
             dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
             return dt
-        out_pl = _no_partial(spec.placements)
+        out_pl = partials_replicated(spec.placements)
         full = func(probs, *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
     if func in _DROPOUT:
@@ -104,13 +100,13 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not train:
             # No draw: the op is the identity with an all-true mask.
             out, mask = func(dt._local_tensor, *rest, **kw)
-            mask_pl = _no_partial(spec.placements)
+            mask_pl = partials_replicated(spec.placements)
             return (
                 DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
                 DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
             )
         _, full_mask = func(_stand_in(dt), *rest, **kw)
-        mask_pl = _no_partial(spec.placements)
+        mask_pl = partials_replicated(spec.placements)
         mask = _shard_of(full_mask, mesh, mask_pl)
         scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
         # The same arithmetic as the op itself, so the result is bit-equal to one process.
