@@ -1,11 +1,15 @@
 """Per-op overhead of hp_dtensor's DTensor against torch.distributed.tensor, same run, 2 gloo ranks.
 
 Run: ./pants run benchmarks/dtensor_overhead.py   (or python benchmarks/dtensor_overhead.py)
-Prints microseconds per call (median of repeats) and the ratio ours/torch per row.
+Prints microseconds per call (median of repeats) and the ratio ours/torch per row.  The last row
+is a steady-state TP block forward (a small SwiGLU MLP, Colwise gate/up and Rowwise down, hp_tp
+against torch's parallelize_module on the same weights): every op in it is a cached decision, so
+the row shows per-op costs end to end.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -30,6 +34,42 @@ def _time_us(fn: Callable[[], Any], iters: int) -> float:
     return statistics.median(samples)
 
 
+def _mlp(hidden: int, ffn: int) -> Any:
+    from torch import nn
+
+    class SwiGLU(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+            self.up_proj = nn.Linear(hidden, ffn, bias=False)
+            self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    return SwiGLU()
+
+
+def _settle(out: Any) -> Any:
+    """The block's output with its collective finished: torch's Rowwise output may be an async
+    collective tensor, which would otherwise leave its all_reduce out of the timing."""
+    wait = getattr(out, "wait", None)
+    return wait() if callable(wait) else out
+
+
+def _parallelize(module: Any, mesh: Any, lib: str) -> Any:
+    if lib == "ours":
+        from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
+    else:
+        from torch.distributed.tensor.parallel import (  # type: ignore[assignment]
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+    return parallelize_module(module, mesh, plan)  # type: ignore[arg-type]
+
+
 def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
     import torch
     import torch.distributed.tensor as tdt
@@ -45,6 +85,9 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
     big = torch.randn(1024 * 1024 // 4 // world * world)  # 1 MiB of fp32
     w = torch.randn(256, 256)
     act = torch.randn(8, 16, 256)
+
+    block = _mlp(256, 512)
+    block_in = torch.randn(4, 8, 256)
 
     def make(lib: str) -> dict[str, Callable[[], Any]]:
         mesh: Any
@@ -62,6 +105,7 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
         big_sh = dist_t(big, mesh, [S(0)])
         w_col = dist_t(w, mesh, [S(0)])
         act_rep = dist_t(act, mesh, [R()])
+        tp_block = _parallelize(copy.deepcopy(block), mesh, lib)
         return {
             "Replicate add": lambda: a_rep + b_rep,
             "Shard(0) add": lambda: a_sh + b_sh,
@@ -69,13 +113,14 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
             "to_local": lambda: a_sh.to_local(),
             "Shard->Replicate 1 MiB": lambda: big_sh.redistribute(mesh, [R()]),
             "linear fwd h=256": lambda: torch.nn.functional.linear(act_rep, w_col),
+            "TP MLP block fwd h=256": lambda: _settle(tp_block(block_in)),
         }
 
     ours, theirs = make("ours"), make("torch")
     rows = []
     with torch.no_grad():
         for name in ours:
-            iters = 20 if "MiB" in name or "linear" in name else 300
+            iters = 20 if "MiB" in name or "linear" in name or "block" in name else 300
             for fn in (ours[name], theirs[name]):  # warm caches (sharding decisions, plans)
                 for _ in range(5):
                     fn()

@@ -8,6 +8,7 @@ This module is pure: it imports no framework.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -153,9 +154,7 @@ def check_one_reduce_op(placements: tuple[Placement, ...]) -> None:
         )
 
 
-def partials_replicated(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
-    """``placements`` with every ``Partial`` read as ``Replicate``: the layout of a value that is
-    the same on every rank where the input held terms (a gradient flowing back to a Partial
-    value, a random draw shaped like one)."""
+def partials_replicated(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with every ``Partial`` read as ``Replicate``: the layout of a fresh value
+    (a random draw, a factory) made in the shape of a partial tensor, which is no sum of terms."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
-

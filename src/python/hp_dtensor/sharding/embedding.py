@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.shard_geometry import local_offset
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 
@@ -39,9 +42,22 @@ def embedding_rule(call: OpCall) -> Decision:
             keep = isinstance(ip, Shard)
             req_i.append(ip if keep else Replicate())
             out.append(ip if keep else Replicate())
-    if kernel is not None and sum(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) > 1:
+    if kernel is None:
+        return Decision((tuple(req_w), tuple(req_i)), (tuple(out),))
+    if sum(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) > 1:
         raise NotImplementedError("a vocab-sharded embedding table on more than one mesh dim is not supported")
-    return Decision((tuple(req_w), tuple(req_i)), (tuple(out),), kernel=kernel)
+    # The kernel gets the vocab size: a rank's first row is its chunk's offset (``vocab_start``).
+    return Decision((tuple(req_w), tuple(req_i)), (tuple(out),), kwargs={**call.kwargs, "vocab": weight.shape[0]},
+                    kernel=kernel)
+
+
+def vocab_start(
+    vocab: int, weight_placements: Sequence[Placement], mesh_shape: Sequence[int], coordinate: Sequence[int]
+) -> int:
+    """The first vocab row of this rank's table shard (``masked_embedding``): the offset of its
+    chunk of the ``Shard(0)`` mesh dim, uneven chunks included."""
+    rows_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in weight_placements]
+    return local_offset((vocab,), mesh_shape, rows_pl, coordinate)[0]
 
 
 def embedding_backward_rule(call: OpCall, weight_placements: tuple[Placement, ...]) -> Decision:

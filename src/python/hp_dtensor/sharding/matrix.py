@@ -9,7 +9,7 @@ replicated.  The cheapest by the planner's cost model wins.
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, cheapest, per_mesh_dim
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, cheapest, per_mesh_dim
 from hp_dtensor.sharding.pointwise import _follow
 
 
@@ -60,3 +60,26 @@ def einsum_rule(call: OpCall, equation: str, *, has_bias: bool = False) -> Decis
         return cheapest(cands, cur, infos, call.mesh_shape[k])
 
     return per_mesh_dim(call, choose, 1)
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def batch_labels(n: int, skip: str) -> str:
+    """``n`` einsum labels for batch dims, none of them in ``skip``."""
+    return "".join(c for c in _LETTERS if c not in skip)[:n]
+
+
+def matmul_equation(a: TensorInfo, b: TensorInfo, ta: bool = False, tb: bool = False) -> str:
+    """The einsum equation of ``matmul(a, b)`` (``ta``/``tb``: the operand's last two dims are
+    transposed), with numpy's broadcasting of batch dims and 1-D operands."""
+    if a.ndim < 1 or b.ndim < 1:
+        raise ValueError("matmul of a 0-d DTensor")
+    batch_a = a.ndim - 2 if a.ndim >= 2 else 0
+    batch_b = b.ndim - 2 if b.ndim >= 2 else 0
+    nb = max(batch_a, batch_b)
+    batch = batch_labels(nb, "mkn")
+    la = (batch[nb - batch_a:] if batch_a else "") + (("km" if ta else "mk") if a.ndim >= 2 else "k")
+    lb = (batch[nb - batch_b:] if batch_b else "") + (("nk" if tb else "kn") if b.ndim >= 2 else "k")
+    out = batch + ("m" if a.ndim >= 2 else "") + ("n" if b.ndim >= 2 else "")
+    return f"{la},{lb}->{out}"

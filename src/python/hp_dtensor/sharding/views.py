@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from hp_dtensor.placement_types import Placement, Replicate, Shard
 from hp_dtensor.shard_geometry import local_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.pointwise import pointwise_rule
 
 
 def infer_size(shape: Sequence[int], numel: int) -> tuple[int, ...]:
@@ -180,3 +181,36 @@ def cat_rule(call: OpCall) -> Decision:
         for p in ref.placements
     )
     return Decision(tuple(req for _ in tensors), (req,))
+
+
+def split_rule(call: OpCall, dim: int, unbind: bool = False) -> Decision:
+    """``split``/``split_with_sizes``/``unbind`` along ``dim``: that dim is gathered, other shards
+    flow through; ``unbind`` removes the dim, so shards after it move down by one."""
+    t: TensorInfo = call.args[0]
+    dec = dim_preserving_rule(call, [dim])
+    if not unbind:
+        return dec
+    d = dim % t.ndim
+    req = dec.inputs[0]
+    assert req is not None
+    out = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > d else p for p in req)
+    return Decision(dec.inputs, (out,))
+
+
+def slice_rule(call: OpCall, dim: int, start: int | None, end: int | None, step: int) -> Decision:
+    """``x[start:end:step]`` along ``dim``: the full slice is a no-op view that keeps every layout;
+    any other gathers that dim."""
+    t: TensorInfo = call.args[0]
+    d = dim % t.ndim
+    if (start in (None, 0)) and (end is None or end >= t.shape[d]) and step == 1:
+        return Decision((t.placements,), (t.placements,))
+    return dim_preserving_rule(call, [dim])
+
+
+def stack_rule(call: OpCall, tensors: Sequence[TensorInfo], axis: int) -> Decision:
+    """``stack(tensors, axis)``: placements agree as for a pointwise op over the (equal-shaped)
+    inputs, linear in all of them jointly; a shard dim at or after ``axis`` moves up by one."""
+    axis %= tensors[0].ndim + 1
+    dec = pointwise_rule(OpCall(call.name, call.mesh_shape, tuple(tensors)), linearity="add")
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= axis else p for p in dec.outputs[0] or ())
+    return Decision(dec.inputs, (out,))

@@ -13,8 +13,6 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,22 +20,26 @@ from typing import Any
 from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.dispatch_core import (
+    CachedCall,
+    DispatchCore,
+    call_key,
+    check_mesh,
+    fill_placeholders,
+    make_cached_call,
+)
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
 from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
-from hp_dtensor.shard_geometry import even_placements, global_shape
-from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo, map_leaves
-from hp_dtensor.sharding.uneven import uneven_pointwise_rule
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo
 
 
 @dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A decision plus what the gradient bookkeeping derives from it, per DTensor input: the mesh
-    dims on which the op's local backward yields only this rank's term of the input's gradient,
-    and whether the op passes the input's gradient through unchanged in form (see ``_run``)."""
+class _GradFacts:
+    """What the gradient bookkeeping derives from a decision, per DTensor input: the mesh dims on
+    which the op's local backward yields only this rank's term of the input's gradient, and
+    whether the op passes the input's gradient through unchanged in form (see ``_run``)."""
 
-    decision: Decision
     grad_dims: tuple[tuple[int, ...], ...]
     transparent: tuple[bool, ...]
 
@@ -45,9 +47,8 @@ class _Prepared:
 _TABLE = OpTable()
 RULES = _TABLE.rules
 KERNELS = _TABLE.kernels
-_cache: dict[Any, _Prepared] = {}
-_warned: set[str] = set()
-_CACHE_LIMIT = 16384
+_CORE = DispatchCore(_TABLE, lambda name: f"MindSpore op {name}")
+_warned = _CORE.warned
 
 # In-place updates and fused optimizer kernels (mint.optim): a plain tensor of the DTensor's local
 # shape among their arguments is that DTensor's local gradient or state -- what value_and_grad
@@ -107,17 +108,9 @@ def _unflatten(flat: list[Any], shape: list[Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _key_of(x: Any) -> Any:
-    """A cache-key part for one argument: structural and type-exact, so ``(0, 1)`` and ``0, True``,
-    ``[a]`` and ``(a,)``, ``1``, ``1.0`` and ``True`` never share a decision.  A DTensor is its
-    spec; a plain tensor (only one-element tensors get this far) its shape."""
-    if isinstance(x, DTensor):
-        return x._spec
-    if isinstance(x, Tensor):
-        return (Tensor, tuple(Tensor.shape.fget(x)))
-    if isinstance(x, (list, tuple)):
-        return (type(x), tuple(_key_of(y) for y in x))
-    return (type(x), x)
+def _tensor_key(x: Any) -> Any:
+    """A plain tensor in a key (only one-element tensors get past the mixing check): its shape."""
+    return tuple(Tensor.shape.fget(x))
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -132,11 +125,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     mesh = None
     for leaf in flat + [v for _, v in kw_items]:
         if isinstance(leaf, DTensor):
-            spec = leaf._spec
-            if mesh is None:
-                mesh = spec.mesh
-            elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise ValueError(f"{name}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
+            mesh = check_mesh(name, mesh, leaf._spec.mesh)
         elif isinstance(leaf, Tensor):
             lshape = tuple(Tensor.shape.fget(leaf))
             if lshape and not (name in LOCAL_UPDATE_OPS and _is_one_element(lshape)):
@@ -148,19 +137,13 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError(
             f"{name}: a DTensor argument nested more than one list deep is not supported; pass it directly"
         )
-    key: Any = (name, tuple(_key_of(x) for x in flat), tuple(shape),
-                tuple((k, _key_of(v)) for k, v in kw_items))
-    try:
-        cached = _cache.get(key)
-    except TypeError:  # an unhashable argument: decide every time
-        key, cached = None, None
-    if cached is None:
-        cached = _decide(name, flat, shape, kw_items, mesh)
-        if key is not None:
-            if len(_cache) > _CACHE_LIMIT:
-                _cache.clear()
-            _cache[key] = cached
-    return _run(func, flat, shape, kw_items, mesh, cached)
+    key, entry = _CORE.lookup(
+        call_key(name, _unflatten(flat, shape), dict(kw_items), DTensor, Tensor, _tensor_key, False)
+    )
+    if entry is None:
+        entry = _decide(name, flat, shape, kw_items, mesh)
+        _CORE.store(key, entry)
+    return _run(func, flat, shape, kw_items, mesh, entry)
 
 
 def _join_local_updates(name: str, flat: list[Any]) -> list[Any]:
@@ -213,60 +196,31 @@ def _info(leaf: Any) -> Any:
     return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
 
 
-def _even_info(leaf: Any, mesh: Any) -> Any:
-    """A DTensor as rules that assume equal shards see it: uneven ``Shard``s read as Replicate."""
-    if not isinstance(leaf, DTensor):
-        return leaf
-    spec = leaf._spec
-    return TensorInfo(spec.shape, even_placements(spec.shape, mesh.shape, spec.placements))
+def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any) -> CachedCall:
+    args = _unflatten([_info(x) for x in flat], shape)
+    kwargs = {k: _info(v) for k, v in kw_items}
+    # In-place updates keep the layout they find, uneven or not.
+    decision, is_fallback = _CORE.decide(
+        name, RULES.get(name), mesh, args, kwargs, keep_layout=name in LOCAL_UPDATE_OPS,
+        coordinate=mesh.get_coordinate(), stacklevel=5,
+    )
+    call = OpCall(name, mesh.shape, args, kwargs)
+    actual = [t.placements for t in call.tensors()]
+    # The autograd bookkeeping below runs on every call: no direct steady state on MindSpore.
+    return make_cached_call(
+        decision, is_fallback, mesh, actual, None, single_tensor_output=False, top_level_only=False,
+        inplace=False, extra=_grad_facts(call, decision),
+    )
 
 
-def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any) -> _Prepared:
-    rule = RULES.get(name)
-    actual = [x._spec.placements for x in flat + [v for _, v in kw_items] if isinstance(x, DTensor)]
-    if name in LOCAL_UPDATE_OPS:  # updates keep the layout they find, uneven or not
-        shown = actual
-        infos, kw_infos = [_info(x) for x in flat], {k: _info(v) for k, v in kw_items}
-    else:
-        # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
-        # nearest even layout and redistributed to it before the op -- except where a pointwise
-        # op can run shard by shard on the uneven layout itself.
-        infos, kw_infos = [_even_info(x, mesh) for x in flat], {k: _even_info(v, mesh) for k, v in kw_items}
-        shown = [t.placements for t in infos + list(kw_infos.values()) if isinstance(t, TensorInfo)]
-        n_pointwise = int(getattr(rule, "uneven_pointwise", 0) or 0)
-        if shown != actual and n_pointwise:
-            real = OpCall(name, mesh.shape, _unflatten([_info(x) for x in flat], shape),
-                          {k: _info(v) for k, v in kw_items})
-            kept = uneven_pointwise_rule(real, n_outputs=n_pointwise)
-            if kept is not None:
-                kept = dataclasses.replace(kept, kernel=getattr(rule, "uneven_kernel", None))
-                return _prepare(real, kept)
-    call = OpCall(name, mesh.shape, _unflatten(infos, shape), kw_infos)
-    if rule is None:
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(
-                f"DTensor: no sharding rule for MindSpore op {name}; replicating its inputs (correct but slow)",
-                stacklevel=4,
-            )
-        rep = tuple(Replicate() for _ in mesh.shape)
-        decision = Decision(tuple(rep for _ in call.tensors()), (rep,))
-    else:
-        decision = rule(call)
-    if shown != actual:  # inputs the rule leaves alone still move to the even layout it saw
-        ins = tuple(s if d is None and s != a else d for d, s, a in zip(decision.inputs, shown, actual))
-        decision = dataclasses.replace(decision, inputs=ins + tuple(decision.inputs[len(ins):]))
-    return _prepare(call, decision)
-
-
-def _prepare(call: OpCall, decision: Decision) -> _Prepared:
+def _grad_facts(call: OpCall, decision: Decision) -> _GradFacts:
     reqs = [target if target is not None else t.placements for t, target in zip(call.tensors(), decision.inputs)]
     grad_dims = tuple(_grad_sum_dims(req, decision.outputs) for req in reqs)
     single = len(reqs) == 1
     transparent = tuple(
         single and not dims and _replicated_where_input_is(req, decision.outputs) for req, dims in zip(reqs, grad_dims)
     )
-    return _Prepared(decision, grad_dims, transparent)
+    return _GradFacts(grad_dims, transparent)
 
 
 def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int, ...]:
@@ -287,8 +241,9 @@ def _replicated_where_input_is(req: tuple[Any, ...], outputs: tuple[Any, ...]) -
 
 
 def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any,
-         prep: _Prepared) -> Any:
-    decision = prep.decision
+         entry: CachedCall) -> Any:
+    decision = entry.decision
+    prep: _GradFacts = entry.extra
     leaves = flat + [v for _, v in kw_items]
     locals_: list[Any] = []
     dt_locals: list[Any] = []
@@ -327,25 +282,14 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
     local_args = _unflatten(locals_[:n_flat], shape)
     local_kwargs = {k: v for (k, _), v in zip(kw_items, locals_[n_flat:])}
     if decision.args is not None or decision.kwargs is not None:
-        # Rewritten arguments hold TensorInfo placeholders where the (redistributed) locals go.
-        it = iter(dt_locals)
-
-        def fill(x: Any) -> Any:
-            return next(it) if isinstance(x, TensorInfo) else x
-
-        if decision.args is not None:
-            local_args = map_leaves(fill, decision.args)
-        else:
-            for _ in range(sum(isinstance(x, DTensor) for x in flat)):
-                next(it)
-        if decision.kwargs is not None:
-            local_kwargs = map_leaves(fill, decision.kwargs)
+        n_in_args = sum(isinstance(x, DTensor) for x in flat)
+        local_args, local_kwargs = fill_placeholders(decision, dt_locals, n_in_args, local_args, local_kwargs)
     with NoFallbackGuard():
         if decision.kernel is not None:
             out = KERNELS[decision.kernel](mesh, decision, *local_args, **local_kwargs)
         else:
             out = func(*local_args, **local_kwargs)
-    result = _wrap(out, mesh, decision)
+    result = _wrap(out, mesh, entry)
     if passed_layout is not None:
         for r in result if isinstance(result, (list, tuple)) else (result,):
             if isinstance(r, DTensor):
@@ -353,30 +297,17 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
     return result
 
 
-def _wrap_one(out: Tensor, mesh: Any, pl: Any, gshape: tuple[int, ...] | None) -> Any:
-    """``out`` as a DTensor with placements ``pl``: of global shape ``gshape`` where the rule gave one
-    (uneven shards), else the shape whose even sharding gives ``out``'s local shape."""
-    if pl is None:
-        return out
-    if gshape is None:
-        gshape = global_shape(tuple(Tensor.shape.fget(out)), mesh.shape, pl)
-    return DTensor(out, DTensorSpec(mesh, pl, gshape))
-
-
-def _wrap(out: Any, mesh: Any, decision: Decision) -> Any:
-    outs = decision.outputs
-    gshape = decision.out_shape
+def _wrap(out: Any, mesh: Any, entry: CachedCall) -> Any:
+    """Tensor outputs as DTensors with the placements the decision gave (output ``j`` of a list
+    or tuple takes the decision's ``j``-th, the last one repeating)."""
     if isinstance(out, Tensor):
-        return _wrap_one(out, mesh, outs[0] if outs else None, gshape)
+        spec = entry.output_spec(0, 0, mesh, tuple(Tensor.shape.fget(out)))
+        return out if spec is None else DTensor(out, spec)
     if isinstance(out, (list, tuple)):
         res = []
-        j = 0
-        for leaf in out:
-            if isinstance(leaf, Tensor):
-                res.append(_wrap_one(leaf, mesh, outs[min(j, len(outs) - 1)] if outs else None, gshape))
-            else:
-                res.append(leaf)
-            j += 1
+        for j, leaf in enumerate(out):
+            spec = entry.output_spec(j, j, mesh, tuple(Tensor.shape.fget(leaf))) if isinstance(leaf, Tensor) else None
+            res.append(leaf if spec is None else DTensor(leaf, spec))
         return type(out)(res)
     return out
 

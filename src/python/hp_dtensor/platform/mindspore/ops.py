@@ -11,20 +11,25 @@ from typing import Any
 
 from mindspore import Tensor, mint, ops
 
-from hp_dtensor.placement_types import Replicate, Shard
+from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore import rng
 from hp_dtensor.platform.mindspore.dispatch import install_interceptors, kernel, register
 from hp_dtensor.shard_geometry import global_shape
-from hp_dtensor.sharding.embedding import embedding_rule
-from hp_dtensor.sharding.matrix import einsum_rule
+from hp_dtensor.sharding.embedding import embedding_rule, vocab_start
+from hp_dtensor.sharding.matrix import batch_labels, einsum_rule, matmul_equation
 from hp_dtensor.sharding.norms import layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 from hp_dtensor.sharding.pointwise import pointwise_rule
 from hp_dtensor.sharding.reductions import reduction_rule
-from hp_dtensor.sharding.views import cat_rule, permute_rule, transpose_rule, unsqueeze_rule, view_rule
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+from hp_dtensor.sharding.views import (
+    cat_rule,
+    permute_rule,
+    stack_rule,
+    transpose_rule,
+    unsqueeze_rule,
+    view_rule,
+)
 
 
 def _prim_inputs(call: OpCall) -> tuple[Any, ...]:
@@ -172,29 +177,12 @@ def _func_dropout_kernel(mesh: Any, decision: Decision, x: Any, p: Any = 0.5, tr
 
 
 # ---------------------------------------------------------------- matrix products
-def _labels(n: int, skip: str) -> str:
-    return "".join(c for c in _LETTERS if c not in skip)[:n]
-
-
-def _matmul_equation(a: TensorInfo, b: TensorInfo, ta: bool, tb: bool) -> str:
-    if a.ndim < 1 or b.ndim < 1:
-        raise ValueError("matmul of a 0-d DTensor")
-    batch_a = a.ndim - 2 if a.ndim >= 2 else 0
-    batch_b = b.ndim - 2 if b.ndim >= 2 else 0
-    nb = max(batch_a, batch_b)
-    batch = _labels(nb, "mkn")
-    la = (batch[nb - batch_a:] if batch_a else "") + (("km" if ta else "mk") if a.ndim >= 2 else "k")
-    lb = (batch[nb - batch_b:] if batch_b else "") + (("nk" if tb else "kn") if b.ndim >= 2 else "k")
-    out = batch + ("m" if a.ndim >= 2 else "") + ("n" if b.ndim >= 2 else "")
-    return f"{la},{lb}->{out}"
-
-
 @register("MatMul", "BatchMatMul")
 def _matmul(call: OpCall) -> Decision:
     a, b = call.args[0], call.args[1]
     ta = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("transpose_a", False))
     tb = bool(call.args[3]) if len(call.args) > 3 else bool(call.kwargs.get("transpose_b", False))
-    return einsum_rule(call, _matmul_equation(a, b, ta, tb))
+    return einsum_rule(call, matmul_equation(a, b, ta, tb))
 
 
 @register("MatMulExt", "Matmul")
@@ -202,7 +190,7 @@ def _matmul_ext(call: OpCall) -> Decision:
     a, b = call.args[0], call.args[1]
     if a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
         return _replicated(call)
-    return einsum_rule(call, _matmul_equation(a, b, False, False))
+    return einsum_rule(call, matmul_equation(a, b, False, False))
 
 
 @register("Dense")
@@ -210,7 +198,7 @@ def _dense(call: OpCall) -> Decision:
     """Dense(x, weight[out, in], bias): x @ weight.T + bias."""
     x, w = call.args[0], call.args[1]
     bias = call.args[2] if len(call.args) > 2 else None
-    batch = _labels(x.ndim - 1, "kn")
+    batch = batch_labels(x.ndim - 1, "kn")
     eq = f"{batch}k,nk->{batch}n"
     if not isinstance(bias, TensorInfo):
         return einsum_rule(_with_inputs(call, (x, w)), eq)
@@ -238,15 +226,10 @@ register("ExpandDims", "Unsqueeze")(unsqueeze_rule)
 
 @register("Stack", "StackExt")
 def _stack(call: OpCall) -> Decision:
-    """stack(tensors, axis): placements agree as for a pointwise op over the (equal-shaped) inputs,
-    linear in all of them; a shard dim at or after ``axis`` moves up by one.  Runs as a kernel:
-    MindSpore's CPU backend has no StackExt kernel."""
-    tensors = list(call.args[0])
+    """stack(tensors, axis), run as a kernel: MindSpore's CPU backend has no StackExt kernel."""
     axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", call.kwargs.get("axis", 0))
-    axis = int(axis) % (tensors[0].ndim + 1)
-    dec = pointwise_rule(OpCall(call.name, call.mesh_shape, tuple(tensors)), linearity="add")
-    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= axis else p for p in dec.outputs[0] or ())
-    return Decision(dec.inputs, (out,), kernel="stack")
+    dec = stack_rule(call, list(call.args[0]), int(axis))
+    return Decision(dec.inputs, dec.outputs, kernel="stack")
 
 
 @kernel("stack")
@@ -319,16 +302,14 @@ def _gather(call: OpCall) -> Decision:
 
 
 @kernel("masked_embedding")
-def _masked_gather(mesh: Any, decision: Decision, *args: Any) -> Tensor:
+def _masked_gather(mesh: Any, decision: Decision, *args: Any, vocab: int, **kwargs: Any) -> Tensor:
     """Look up the ids in this rank's vocab rows; other ids give zero rows (a Partial sum)."""
     inputs = args[2] if len(args) == 3 and isinstance(args[1], str) else args
     table, ids = inputs[0], inputs[1]
     wpl = decision.inputs[0]
     assert wpl is not None
-    coord = mesh.get_coordinate()
-    k = next(i for i, p in enumerate(wpl) if isinstance(p, Shard) and p.dim == 0)
     rows = int(Tensor.shape.fget(table)[0])
-    local_ids = ids - coord[k] * rows
+    local_ids = ids - vocab_start(vocab, wpl, mesh.shape, mesh.get_coordinate())
     outside = mint.logical_or(local_ids < 0, local_ids >= rows)
     safe = ops.select(outside, ops.zeros_like(local_ids), local_ids)
     out = ops.gather(table, safe, 0)

@@ -7,31 +7,39 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from hp_dtensor.dispatch_core import (
+    CachedCall,
+    DispatchCore,
+    call_key,
+    check_mesh,
+    fill_placeholders,
+    make_cached_call,
+)
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import even_placements, global_shape, is_even
-from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
-from hp_dtensor.sharding.uneven import uneven_pointwise_rule
+from hp_dtensor.shard_geometry import is_even
+from hp_dtensor.sharding.op_call import OpTable, Rule, TensorInfo
+from hp_dtensor.sharding.strides import global_strides
 
 aten = torch.ops.aten
 
 _TABLE = OpTable()
 RULES = _TABLE.rules
 KERNELS = _TABLE.kernels
-# (decision, is_fallback, global output shapes or None where the wrap may infer them from even shards)
-_cache: dict[Any, tuple[Decision, bool, list[tuple[int, ...]] | None]] = {}
-_warned: set[str] = set()
-_CACHE_LIMIT = 16384
+_CORE = DispatchCore(_TABLE, str)
+_warned = _CORE.warned  # ops that fell back to replication (tests read it)
+_cache_get = _CORE.cache.get
+_loss_parallel_state = _loss_parallel._state
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_NO_KEY = object()
 
 
 register = _TABLE.register
@@ -49,11 +57,6 @@ def _find_rule(func: Any) -> Rule | None:
         base = func._schema.name[len("aten::_foreach_") :].rstrip("_")
         rule = FOREACH_RULES.get(base, FOREACH_RULES.get("*"))
     return rule
-
-
-def _fallback_rule(call: OpCall) -> Decision:
-    rep = tuple(Replicate() for _ in call.mesh_shape)
-    return Decision(tuple(rep for _ in call.tensors()), (rep,))
 
 
 _inplace_cache: dict[Any, bool] = {}
@@ -137,70 +140,114 @@ def _unflatten(flat: list[Any], spec: Any) -> Any:
     return pytree.tree_unflatten(flat, spec)
 
 
+_VF = torch._C._VariableFunctions
+# Overloads whose generated Python binding, given the same arguments, resolves to the same overload
+# (a Python number next to a tensor binds to the ``.Tensor`` overload as a wrapped number, as the
+# dispatcher passed it): the binding parses arguments about a microsecond faster than the
+# overload's schema-driven call, which is most of what a direct call costs beyond the kernel.
+_BINDINGS: dict[Any, Any] = {
+    aten.add.Tensor: _VF.add, aten.sub.Tensor: _VF.sub, aten.mul.Tensor: _VF.mul, aten.div.Tensor: _VF.div,
+    aten.mm.default: _VF.mm, aten.bmm.default: _VF.bmm, aten.addmm.default: _VF.addmm, aten.t.default: _VF.t,
+    aten.transpose.int: _VF.transpose, aten.unsqueeze.default: _VF.unsqueeze, aten.view.default: torch.Tensor.view,
+    aten.neg.default: _VF.neg, aten.exp.default: _VF.exp, aten.relu.default: _VF.relu,
+    aten.sigmoid.default: _VF.sigmoid, aten.tanh.default: _VF.tanh, aten.rsqrt.default: _VF.rsqrt,
+    aten.sqrt.default: _VF.sqrt, aten.pow.Tensor_Scalar: _VF.pow, aten.silu.default: torch._C._nn.silu,
+    aten.gelu.default: torch._C._nn.gelu,
+}
+_NORMAL, _FOREACH, _RANDOM = 0, 1, 2
+# Per op: its kind, whether its rule is pointwise (numbers' values never matter to it), whether it
+# writes its first argument, whether it returns exactly one tensor, and the callable to run it.
+# Keyed by id: an OpOverload hashes in Python, an int in C; the facts hold the op, so its id stays
+# its own for as long as the entry (and every cache key using the id) lives.
+_op_facts: dict[int, tuple[int, bool, bool, bool, Any]] = {}
+
+
+def _facts(func: Any) -> tuple[int, bool, bool, bool, Any]:
+    facts = _op_facts.get(id(func))
+    if facts is None:
+        name = func._schema.name
+        kind = _FOREACH if name.startswith("aten::_foreach_") else _RANDOM if func in RANDOM_OPS else _NORMAL
+        returns = func._schema.returns
+        one_tensor = len(returns) == 1 and str(returns[0].type) == "Tensor"
+        # The C++ op behind an OpOverload: calling it skips the overload's Python __call__; for the
+        # hottest ops, torch's generated Python binding (argument parsing specialised per function).
+        call = _BINDINGS.get(func) or (func._op if isinstance(func, torch._ops.OpOverload) else func)
+        facts = _op_facts[id(func)] = (kind, _is_pointwise(func), _is_inplace(func), one_tensor, call)
+    return facts
+
+
+def _plain_key(t: torch.Tensor) -> Any:
+    return (tuple(t.shape), t.dtype) if t.ndim else "scalar-tensor"
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if func._schema.name.startswith("aten::_foreach_"):
+    op = id(func)
+    kind, pointwise, _, _, local_op = _op_facts.get(op) or _facts(func)
+    if kind == _FOREACH:
         return _dispatch_foreach(func, args, kwargs)
-    if _loss_parallel.enabled():
+    if getattr(_loss_parallel_state, "depth", 0):
         kernel_call = _loss_parallel.override(func, args, kwargs)
         if kernel_call is not None:
             return kernel_call()
-    if func in RANDOM_OPS and args and isinstance(args[0], DTensor):
+    if kind == _RANDOM and args and isinstance(args[0], DTensor):
         return run_random(func, args, kwargs)
-    return _dispatch_one(func, args, kwargs)
+    key = call_key(op, args, kwargs, DTensor, torch.Tensor, _plain_key, pointwise)
+    try:
+        entry = _cache_get(key)
+    except TypeError:  # an unhashable argument: decide every time
+        key = entry = None
+    if entry is not None and entry.direct:
+        # The steady state: every DTensor stays where it is, one output of a known spec.
+        locals_ = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+        out = local_op(*locals_, **kwargs) if kwargs else local_op(*locals_)
+        # Inline of _new_dtensor (this is the per-op path).
+        spec: Any = entry.out_specs[0]  # type: ignore[index]
+        stride = out.stride()
+        strides = entry.memo.get(stride) or _strides(entry, stride)
+        r = _make_wrapper(
+            DTensor, spec.shape, strides=strides, dtype=out.dtype, device=out.device, layout=out.layout,
+            requires_grad=False,
+        )
+        r._local_tensor = out
+        r._spec = spec
+        return r
+    return _dispatch_one(func, args, kwargs, key, entry)
 
 
-def _dispatch_one(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _strides(entry: CachedCall, stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The wrapper strides of the entry's one output for a local output of ``stride``, computed
+    once per entry and stride (the same as ``DTensor(out, spec)`` gives)."""
+    spec = entry.out_specs[0]  # type: ignore[index]
+    assert spec is not None
+    strides = entry.memo[stride] = global_strides(stride, spec.mesh.shape, spec.placements)
+    return strides
+
+
+def _dispatch_one(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any = _NO_KEY, entry: CachedCall | None = None
+) -> Any:
+    if key is _NO_KEY:
+        key, entry = _CORE.lookup(call_key(id(func), args, kwargs, DTensor, torch.Tensor, _plain_key, _facts(func)[1]))
     flat, treespec = _flatten(args, kwargs)
     mesh = None
     has_plain = False
-    # The key is structural (the argument tree) and type-exact (True, 1 and 1.0 are equal and hash
-    # alike in Python but ask for different things: keepdim=True is not dim=1).
-    key_parts: list[Any] = [func, treespec.key if type(treespec) is _SimpleSpec else treespec]
     for leaf in flat:
         if isinstance(leaf, DTensor):
-            spec = leaf._spec
-            if mesh is None:
-                mesh = spec.mesh
-            elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh})")
-            key_parts.append(spec)
-        elif isinstance(leaf, torch.Tensor):
-            if leaf.ndim != 0 and not _in_backward() and not _is_one_hot_classes(func, args, leaf):
+            mesh = check_mesh(func, mesh, leaf._spec.mesh)
+        elif isinstance(leaf, torch.Tensor) and leaf.ndim:
+            if not _in_backward() and not _is_one_hot_classes(func, args, leaf):
                 raise RuntimeError(
                     f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
                     f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
                 )
-            if leaf.ndim:
-                has_plain = True
-                key_parts.append(("plain", tuple(leaf.shape)))
-            else:
-                key_parts.append("scalar-tensor")
-        else:
-            cls = leaf.__class__
-            if cls is int:
-                key_parts.append(leaf)
-            elif cls is float and _is_pointwise(func):
-                # A pointwise rule looks at which operands are numbers, never at their values, so
-                # one decision serves every value (an optimizer's step sizes change every step).
-                key_parts.append(float)
-            else:
-                key_parts.append((cls, leaf))
+            has_plain = True
     assert mesh is not None
     if has_plain:
         flat = _as_dtensors(flat, mesh)
-    key: Any = tuple(key_parts)
-    try:
-        cached = _cache.get(key)
-    except TypeError:  # an unhashable argument: decide every time
-        key, cached = None, None
-    if cached is None:
-        cached = _decide(func, flat, treespec, mesh)
-        if key is not None:
-            if len(_cache) > _CACHE_LIMIT:
-                _cache.clear()
-            _cache[key] = cached
-    decision, is_fallback, out_shapes = cached
-    return _run(func, flat, treespec, mesh, decision, is_fallback, args, out_shapes)
+    if entry is None:
+        entry = _decide(func, args, kwargs, flat, treespec, mesh, has_plain)
+        _CORE.store(key, entry)
+    return _run(func, flat, treespec, mesh, entry, args)
 
 
 def _is_one_hot_classes(func: Any, args: tuple[Any, ...], leaf: torch.Tensor) -> bool:
@@ -232,12 +279,26 @@ def _as_dtensors(flat: list[Any], mesh: Any) -> list[Any]:
 
 
 def _decide(
-    func: Any, flat: list[Any], treespec: Any, mesh: Any
-) -> tuple[Decision, bool, list[tuple[int, ...]] | None]:
-    decision, is_fallback = _decide_placements(func, flat, treespec, mesh)
-    if not any(decision.outputs):  # a Python value (equal, item): no shape to wrap
-        return decision, is_fallback, None
-    return decision, is_fallback, _output_shapes(func, flat, treespec, mesh)
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], treespec: Any, mesh: Any,
+    has_plain: bool,
+) -> CachedCall:
+    infos = [TensorInfo(x._spec.shape, x._spec.placements) if isinstance(x, DTensor) else x for x in flat]
+    i_args, i_kwargs = _unflatten(infos, treespec)
+    name = str(func)
+    decision, is_fallback = _CORE.decide(
+        name, _find_rule(func), mesh, tuple(i_args), dict(i_kwargs),
+        inplace=name.split(".")[1].endswith("_"), coordinate=mesh.get_coordinate(),
+    )
+    # A Python value (equal, item) has no shape to wrap.
+    out_shapes = _output_shapes(func, flat, treespec, mesh) if any(decision.outputs) else None
+    top_level = not has_plain and not any(
+        isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a)
+        for a in (*args, *kwargs.values())
+    )
+    return make_cached_call(
+        decision, is_fallback, mesh, [x._spec.placements for x in flat if isinstance(x, DTensor)], out_shapes,
+        single_tensor_output=_facts(func)[3], top_level_only=top_level, inplace=_is_inplace(func),
+    )
 
 
 def _output_shapes(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> list[tuple[int, ...]] | None:
@@ -269,59 +330,18 @@ def _output_shapes(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> list
     return [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _decide_placements(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> tuple[Decision, bool]:
-    # Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
-    # nearest even layout (uneven Shards replicated) and redistributed to it before the op.
-    infos = [
-        TensorInfo(leaf._spec.shape, even_placements(leaf._spec.shape, mesh.shape, leaf._spec.placements))
-        if isinstance(leaf, DTensor) else leaf for leaf in flat
-    ]
-    args, kwargs = _unflatten(infos, treespec)
-    call = OpCall(str(func), mesh.shape, tuple(args), dict(kwargs), mesh.get_coordinate())
-    rule = _find_rule(func)
-    if rule is None:
-        if str(func) not in _warned:
-            _warned.add(str(func))
-            warnings.warn(
-                f"DTensor: no sharding rule for {func}; replicating its inputs (correct but slow)",
-                stacklevel=3,
-            )
-        return _fallback_rule(call), True
-    shown = [i.placements for i in infos if isinstance(i, TensorInfo)]
-    actual = [leaf._spec.placements for leaf in flat if isinstance(leaf, DTensor)]
-    n_pointwise: int = getattr(rule, "uneven_pointwise", None) or 0  # set on pointwise rules
-    if shown != actual and n_pointwise:
-        real = [TensorInfo(x._spec.shape, x._spec.placements) if isinstance(x, DTensor) else x for x in flat]
-        r_args, r_kwargs = _unflatten(real, treespec)
-        inplace = str(func).split(".")[1].endswith("_")
-        kept = uneven_pointwise_rule(
-            OpCall(str(func), mesh.shape, tuple(r_args), dict(r_kwargs), mesh.get_coordinate()),
-            n_outputs=n_pointwise,
-            inplace=inplace,
-        )
-        if kept is not None:
-            return kept, False
-    decision = rule(call)
-    if shown != actual:  # inputs the rule leaves alone still move to the even layout it saw
-        ins = tuple(s if d is None and s != a else d for d, s, a in zip(decision.inputs, shown, actual))
-        ins += decision.inputs[len(ins) :]
-        decision = dataclasses.replace(decision, inputs=ins)
-    return decision, False
+def _n_arg_leaves(treespec: Any) -> int:
+    """How many of the flat leaves are positional arguments (the rest are keyword arguments)."""
+    if isinstance(treespec, _SimpleSpec):
+        return sum(1 if s is None else s[1] for s in treespec.arg_shape)
+    return int(treespec.children_specs[0].num_leaves)
 
 
-def _run(
-    func: Any,
-    flat: list[Any],
-    treespec: Any,
-    mesh: Any,
-    decision: Decision,
-    is_fallback: bool,
-    args: Any,
-    out_shapes: list[tuple[int, ...]] | None = None,
-) -> Any:
+def _run(func: Any, flat: list[Any], treespec: Any, mesh: Any, entry: CachedCall, args: Any) -> Any:
+    decision = entry.decision
     inplace = _is_inplace(func)
     locals_: list[Any] = []
-    dt_locals_list: list[torch.Tensor] = []
+    dt_locals: list[torch.Tensor] = []
     i = 0
     self_redistributed = False
     for leaf in flat:
@@ -337,25 +357,14 @@ def _run(
                 if i == 0 and inplace:
                     self_redistributed = True
             locals_.append(local)
-            dt_locals_list.append(local)
+            dt_locals.append(local)
             i += 1
         else:
             locals_.append(leaf)
     local_args, local_kwargs = _unflatten(locals_, treespec)
     if decision.args is not None or decision.kwargs is not None:
-        # Rewritten arguments keep TensorInfo placeholders where the (redistributed) locals go.
-        dt_locals = iter(dt_locals_list)
-
-        def fill(x: Any) -> Any:
-            return next(dt_locals) if isinstance(x, TensorInfo) else x
-
-        if decision.args is not None:
-            local_args = map_leaves(fill, decision.args)
-        else:
-            for _ in (x for x in pytree.tree_leaves(args) if isinstance(x, DTensor)):
-                next(dt_locals)
-        if decision.kwargs is not None:
-            local_kwargs = map_leaves(fill, decision.kwargs)
+        n_in_args = sum(isinstance(x, DTensor) for x in flat[: _n_arg_leaves(treespec)])
+        local_args, local_kwargs = fill_placeholders(decision, dt_locals, n_in_args, local_args, local_kwargs)
     if decision.kernel is not None:
         out = KERNELS[decision.kernel](mesh, decision, func, *local_args, **local_kwargs)
     else:
@@ -365,7 +374,7 @@ def _run(
         if isinstance(self_dt, (list, tuple)):
             self_dt = self_dt[0]
         if self_redistributed:
-            if not is_fallback:
+            if not entry.is_fallback:
                 raise RuntimeError(f"{func}: in-place op would need to redistribute its self argument")
             spec = self_dt._spec
             rep = decision.inputs[0]
@@ -373,34 +382,28 @@ def _run(
             new_local = redistribute_local(out, mesh, spec.shape, rep, spec.placements)
             self_dt._local_tensor.copy_(new_local)
         return self_dt
-    return _wrap(out, mesh, decision, out_shapes)
+    return _wrap(out, mesh, entry)
 
 
-def _wrap(out: Any, mesh: Any, decision: Decision, out_shapes: list[tuple[int, ...]] | None = None) -> Any:
-    if isinstance(out, torch.Tensor) and decision.outputs and decision.outputs[0] is not None:
-        pl = decision.outputs[0]
-        shape = out_shapes[0] if out_shapes else global_shape(out.shape, mesh.shape, pl)
-        return DTensor(out, DTensorSpec(mesh, pl, shape))
-    flat, spec = pytree.tree_flatten(out)
+def _wrap(out: Any, mesh: Any, entry: CachedCall) -> Any:
+    if isinstance(out, torch.Tensor):
+        spec = entry.output_spec(0, 0, mesh, tuple(out.shape))
+        return out if spec is None else DTensor(out, spec)
+    flat, tree = pytree.tree_flatten(out)
     res = []
-    j = 0
-    ti = 0  # index among tensor outputs (what out_shapes lists)
-    outs = decision.outputs
+    j = 0  # position among outputs, None holes included (what decision.outputs lists)
+    ti = 0  # index among tensor outputs
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
-            leaf_pl = outs[min(j, len(outs) - 1)] if outs else None
+            spec = entry.output_spec(j, ti, mesh, tuple(leaf.shape))
             j += 1
             ti += 1
-            if leaf_pl is None:
-                res.append(leaf)
-                continue
-            shape = out_shapes[ti - 1] if out_shapes else global_shape(leaf.shape, mesh.shape, leaf_pl)
-            res.append(DTensor(leaf, DTensorSpec(mesh, leaf_pl, shape)))
+            res.append(leaf if spec is None else DTensor(leaf, spec))
         else:
             if leaf is None:
                 j += 1
             res.append(leaf)
-    return pytree.tree_unflatten(res, spec)
+    return pytree.tree_unflatten(res, tree)
 
 
 _pointwise_funcs: dict[Any, bool] = {}

@@ -15,7 +15,8 @@ from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
 from hp_dtensor.shard_geometry import local_offset, local_shape
 from hp_dtensor.sharding.attention import sdpa_rule
-from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule
+from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule, vocab_start
+from hp_dtensor.sharding.factories import like_factory_rule, new_factory_rule
 from hp_dtensor.sharding.indexing import (
     along_dims_rule,
     gather_rule,
@@ -37,11 +38,13 @@ from hp_dtensor.sharding.reductions import gathered_reduction_rule, reduction_ru
 from hp_dtensor.sharding.triangular import triangular_rule
 from hp_dtensor.sharding.views import (
     cat_rule,
-    dim_preserving_rule,
     expand_rule,
     permute_rule,
     select_rule,
+    slice_rule,
+    split_rule,
     squeeze_rule,
+    stack_rule,
     transpose_rule,
     unsqueeze_rule,
     view_rule,
@@ -159,34 +162,12 @@ register(*_DIV_LIKE)(_pw("div"))
 register(*_NONLINEAR)(_pw(None))
 
 
-@register(*_LIKE_FACTORIES)
-def _like_factory(call: OpCall) -> Decision:
-    t: TensorInfo = call.args[0]
-    out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
-    return Decision((t.placements,), (out,))
-
-
-_like_factory.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
-
-
-@register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-          aten.new_empty_strided.default)
-def _new_factory(call: OpCall) -> Decision:
-    t: TensorInfo = call.args[0]
-    size = tuple(call.args[1])
-    if size == t.shape:
-        out = tuple(Replicate() if isinstance(p, Partial) else p for p in t.placements)
-    else:
-        out = tuple(Replicate() for _ in t.placements)
-    loc = list(local_shape(size, call.mesh_shape, out, call.coordinate))
-    args = list(call.args)
-    args[1] = loc
-    if call.name.startswith("aten.new_empty_strided"):
-        strides = [1] * len(loc)
-        for i in range(len(loc) - 2, -1, -1):
-            strides[i] = strides[i + 1] * max(loc[i + 1], 1)
-        args[2] = strides
-    return Decision((t.placements,), (out,), args=tuple(args))
+register(*_LIKE_FACTORIES)(like_factory_rule)
+like_factory_rule.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
+register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)(
+    new_factory_rule
+)
+register(aten.new_empty_strided.default)(lambda c: new_factory_rule(c, strides_pos=2))
 
 
 # ---------------------------------------------------------------- matrix products
@@ -200,6 +181,10 @@ register(aten.dot.default)(lambda c: einsum_rule(c, "k,k->"))
 # ---------------------------------------------------------------- views
 def _local_view(call: OpCall) -> Decision:
     dec = view_rule(call)
+    if not any(isinstance(p, Shard) for pl in (*dec.inputs, *dec.outputs) for p in pl or ()):
+        # Nothing sharded: every shard is the whole tensor laid out as the wrapper says, so the
+        # op runs on it exactly as asked (and the steady state needs no rewritten arguments).
+        return Decision(dec.inputs, dec.outputs)
     return Decision(dec.inputs, dec.outputs, args=dec.args, kernel="view")
 
 
@@ -252,42 +237,22 @@ register(aten.select.int)(select_rule)
 register(aten.cat.default)(cat_rule)
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-def _split(call: OpCall) -> Decision:
-    t: TensorInfo = call.args[0]
-    dim_pos = 1 if call.name.startswith("aten.unbind") else 2
-    dim = call.args[dim_pos] if len(call.args) > dim_pos else call.kwargs.get("dim", 0)
-    d = dim % t.ndim
-    dec = dim_preserving_rule(call, [dim])
-    if call.name.startswith("aten.unbind"):
-        req = dec.inputs[0]
-        assert req is not None
-        out = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > d else p for p in req)
-        return Decision(dec.inputs, (out,))
-    return dec
-
-
-@register(aten.slice.Tensor)
-def _slice(call: OpCall) -> Decision:
-    t: TensorInfo = call.args[0]
-    dim = call.args[1] if len(call.args) > 1 else 0
-    start = call.args[2] if len(call.args) > 2 else None
-    end = call.args[3] if len(call.args) > 3 else None
-    step = call.args[4] if len(call.args) > 4 else 1
-    d = dim % t.ndim
-    if (start in (None, 0)) and (end is None or end >= t.shape[d]) and step == 1:
-        return Decision((t.placements,), (t.placements,))  # full slice: a no-op view
-    return dim_preserving_rule(call, [dim])
-
-
-@register(aten.stack.default)
-def _stack(call: OpCall) -> Decision:
-    tensors: list[TensorInfo] = list(call.args[0])
-    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
-    d = dim % (tensors[0].ndim + 1)
-    req = tuple(p if isinstance(p, (Shard, Replicate)) else Replicate() for p in tensors[0].placements)
-    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in req)
-    return Decision(tuple(req for _ in tensors), (out,))
+register(aten.split.Tensor, aten.split_with_sizes.default)(
+    lambda c: split_rule(c, c.args[2] if len(c.args) > 2 else c.kwargs.get("dim", 0))
+)
+register(aten.unbind.int)(lambda c: split_rule(c, c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0), True))
+register(aten.slice.Tensor)(
+    lambda c: slice_rule(
+        c,
+        c.args[1] if len(c.args) > 1 else 0,
+        c.args[2] if len(c.args) > 2 else None,
+        c.args[3] if len(c.args) > 3 else None,
+        c.args[4] if len(c.args) > 4 else 1,
+    )
+)
+register(aten.stack.default)(
+    lambda c: stack_rule(c, list(c.args[0]), c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0))
+)
 
 
 # ---------------------------------------------------------------- reductions
@@ -332,14 +297,7 @@ register(aten._scaled_dot_product_flash_attention_for_cpu.default)(lambda c: sdp
 register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)(lambda c: sdpa_rule(c, 6, 3))
 
 # ---------------------------------------------------------------- embedding
-@register(aten.embedding.default)
-def _embedding(call: OpCall) -> Decision:
-    dec = embedding_rule(call)
-    if dec.kernel != "masked_embedding":
-        return dec
-    # The kernel needs the vocab size: a rank's first row is its chunk's offset, uneven or not.
-    return Decision(dec.inputs, dec.outputs, kwargs={**call.kwargs, "vocab": call.args[0].shape[0]},
-                    kernel=dec.kernel)
+register(aten.embedding.default)(embedding_rule)
 register(aten.embedding_dense_backward.default)(lambda c: embedding_backward_rule(c, ()))
 
 
@@ -349,10 +307,8 @@ def _masked_embedding(mesh: Any, decision: Decision, func: Any, weight: torch.Te
     """Look up the ids in this rank's vocab rows; others give zero rows (output is Partial sum)."""
     wpl = decision.inputs[0]
     assert wpl is not None
-    vocab = kw.pop("vocab")
+    start = vocab_start(kw.pop("vocab"), wpl, mesh.shape, mesh.get_coordinate())
     rows = weight.shape[0]
-    rows_pl = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in wpl]
-    start = local_offset((vocab,), mesh.shape, rows_pl, mesh.get_coordinate())[0]
     local_ids = indices - start
     outside = (local_ids < 0) | (local_ids >= rows)
     out = torch.nn.functional.embedding(local_ids.masked_fill(outside, 0), weight)

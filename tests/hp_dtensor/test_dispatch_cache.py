@@ -1,0 +1,137 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index"
+# (tests drive DTensors through torch APIs typed for plain tensors)
+"""The dispatch decision cache never gives one call another call's answer: every element the
+decision depends on is in the key (specs, dtypes, argument types, structure, keyword arguments).
+
+The first tests check the neutral key directly; the last ones run ops on one process over the
+fake process group (decisions and output specs need no data) in an order that would reuse a
+stale decision if a key element were dropped, and compare with the answer a cold cache gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hp_dtensor.dispatch_core import call_key
+from hp_dtensor.testing import fake_world
+
+
+class _Spec:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Spec) and other.shape == self.shape
+
+    def __hash__(self) -> int:
+        return hash(self.shape)
+
+
+class _DT:
+    """A stand-in DTensor: what the key reads is ``_spec`` and ``dtype``."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str = "f32") -> None:
+        self._spec = _Spec(shape)
+        self.dtype = dtype
+
+
+class _Plain:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
+def _key(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, value_free_floats: bool = False) -> Any:
+    return call_key("op", args, kwargs or {}, _DT, _Plain, lambda t: t.shape, value_free_floats)
+
+
+def test_key_tells_apart_what_decisions_depend_on() -> None:
+    x = _DT((4, 6))
+    distinct = [
+        _key((x, 1)),
+        _key((x, True)),  # keepdim=True is not dim=1
+        _key((x, 1.0)),
+        _key((x, [0, 1])),
+        _key((x, (0, 1))),
+        _key((x, 0, 1)),  # sum(x, [0, 1]) flattens to the leaves of sum(x, 0, 1)
+        _key((x, [[0], [1]])),
+        _key((_DT((5, 6)), 1)),  # another global shape (uneven where (4, 6) is even)
+        _key((_DT((4, 6), "f16"), 1)),  # another dtype
+        _key((x,), {"dim": 1}),  # keyword, not positional
+        _key((x,), {"dim": 0}),
+        _key((x,), {"keepdim": 1}),
+        _key((x, _Plain((6,)))),
+        _key((x, _Plain((1, 6)))),
+        _key((x, None)),
+        _key((x, "1")),
+    ]
+    assert None not in distinct
+    assert len(set(distinct)) == len(distinct), "two different calls share a cache key"
+    assert _key((_DT((4, 6)), [0, 1])) == _key((x, [0, 1]))  # equal specs: one decision
+
+
+def test_float_values_share_a_key_only_where_asked() -> None:
+    x = _DT((4,))
+    assert _key((x, 0.5)) != _key((x, 0.25))
+    assert _key((x, 0.5), value_free_floats=True) == _key((x, 0.25), value_free_floats=True)
+    assert _key((x, 1), value_free_floats=True) != _key((x, 1.0), value_free_floats=True)
+
+
+def test_dict_argument_is_not_cached() -> None:
+    assert _key((_DT((4,)), {"a": 1})) is None
+
+
+def _specs(out: Any) -> Any:
+    from hp_dtensor.platform.torch import DTensor
+
+    if isinstance(out, DTensor):
+        return (tuple(out.shape), out.dtype, tuple(out.placements), tuple(out.to_local().shape))
+    if isinstance(out, (list, tuple)):
+        return [_specs(o) for o in out]
+    return out
+
+
+def _calls() -> list[tuple[str, Any]]:
+    """Pairs of calls to one op that differ in one key element only."""
+    import torch
+
+    from hp_dtensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    even = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0)])
+    uneven = distribute_tensor(torch.zeros(5, 6), mesh, [Shard(0)])
+    f32 = distribute_tensor(torch.zeros(4, 8), mesh, [Replicate()])
+    f16 = distribute_tensor(torch.zeros(4, 8, dtype=torch.float16), mesh, [Replicate()])
+    return [
+        ("shape even", lambda: even + 1),
+        ("shape uneven", lambda: uneven + 1),
+        ("dtype f32", lambda: f32.view(torch.int8)),
+        ("dtype f16", lambda: f16.view(torch.int8)),
+        ("kwarg dim 0", lambda: torch.sum(even, dim=0)),
+        ("kwarg dim 1", lambda: torch.sum(even, dim=1)),
+        ("keepdim", lambda: torch.sum(even, dim=1, keepdim=True)),
+        ("view list", lambda: even.view(2, 12)),
+        ("view other", lambda: even.view(4, 3, 2)),
+        ("scalar int", lambda: even * 2),
+        ("scalar float", lambda: even * 2.5),
+        ("split", lambda: even.split(2, dim=1)),
+        ("split other", lambda: even.split(3, dim=1)),
+    ]
+
+
+def test_torch_cache_gives_each_call_its_own_answer() -> None:
+    pytest.importorskip("torch")
+    from hp_dtensor.platform.torch import dispatch
+
+    with fake_world(2, rank=1):
+        cold = {}
+        for name, fn in _calls():
+            dispatch._CORE.cache.clear()
+            cold[name] = _specs(fn())
+        warm_runs = [_specs(fn()) for _ in range(2) for _, fn in _calls()]
+        names = [name for _ in range(2) for name, _ in _calls()]
+    for a, b in [("shape even", "shape uneven"), ("dtype f32", "dtype f16"), ("kwarg dim 0", "kwarg dim 1"),
+                 ("kwarg dim 1", "keepdim"), ("view list", "view other"), ("split", "split other")]:
+        assert cold[a] != cold[b], f"{a} and {b} should differ (the test would not catch a dropped key element)"
+    for name, got in zip(names, warm_runs):
+        assert got == cold[name], f"{name}: the warm cache gave {got}, a cold one {cold[name]}"
