@@ -67,7 +67,8 @@ class TensorSources:
         return n
 
 
-def _local_entry(prims: TransferPrimitives, key: str, value: Any) -> tuple[tuple[int, ...], str, ShardBox | None]:
+def local_entry(prims: TransferPrimitives, key: str, value: Any) -> tuple[tuple[int, ...], str, ShardBox | None]:
+    """(global shape, dtype name, the box this rank holds or None): a plain tensor is whole."""
     spec = prims.spec_of(value)
     dtype = prims.dtype_name(value)
     if spec is None:
@@ -86,12 +87,36 @@ def _overlap(a: ShardBox, b: ShardBox) -> bool:
     )
 
 
+def check_tiling(key: str, shape: Sequence[int], boxes: Sequence[ShardBox], what: str) -> None:
+    """Raise ``CheckpointError`` naming ``key`` unless the distinct ``boxes`` lie inside ``shape``,
+    do not overlap, and cover every element of it."""
+    for b in boxes:
+        if len(b.offsets) != len(shape) or any(
+            o < 0 or s < 0 or o + s > n for o, s, n in zip(b.offsets, b.sizes, shape)
+        ):
+            raise CheckpointError(f"{what} of tensor {key!r}: box {b} does not fit its global shape {tuple(shape)}")
+    ordered = sorted(boxes, key=lambda b: b.offsets)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if _overlap(a, b):
+                raise CheckpointError(f"{what} of tensor {key!r} overlap: {a} and {b}")
+    total = 1
+    for s in shape:
+        total *= s
+    covered = sum(b.numel for b in boxes)
+    if covered != total:
+        raise CheckpointError(
+            f"{what} of tensor {key!r} cover {covered} of its {total} elements (global shape {tuple(shape)}); "
+            f"every element must be held by exactly one box"
+        )
+
+
 def plan_sources(state: Mapping[str, Any], dst_of: Mapping[str, int]) -> dict[str, TensorSources]:
     """Collective (every rank, same keys): who sends which box of each tensor to ``dst_of[key]``.
     Raises ``CheckpointError`` on every rank, naming the tensor, when ranks disagree on its
     global shape or dtype, hold no box of part of it, or hold overlapping different boxes."""
     prims = transfer_primitives()
-    mine = {key: _local_entry(prims, key, value) for key, value in state.items()}
+    mine = {key: local_entry(prims, key, value) for key, value in state.items()}
     everyone = prims.all_gather_object(mine)
     key_sets = [sorted(d) for d in everyone]
     if any(ks != key_sets[0] for ks in key_sets):
@@ -111,18 +136,7 @@ def plan_sources(state: Mapping[str, Any], dst_of: Mapping[str, int]) -> dict[st
             if box is not None and box.numel > 0:
                 holders.setdefault(box, []).append(rank)
         boxes = sorted(holders, key=lambda b: b.offsets)
-        for i, a in enumerate(boxes):
-            for b in boxes[i + 1 :]:
-                if _overlap(a, b):
-                    raise CheckpointError(f"gather: tensor {key!r} is held as overlapping boxes {a} and {b}")
-        total = 1
-        for s in shape:
-            total *= s
-        if sum(b.numel for b in boxes) != total:
-            raise CheckpointError(
-                f"gather: the ranks' boxes of tensor {key!r} cover {sum(b.numel for b in boxes)} of its "
-                f"{total} elements (global shape {shape}); every element must be held by some rank"
-            )
+        check_tiling(key, shape, boxes, "gather: the ranks' boxes")
         dst = dst_of[key]
         senders = []
         for box in boxes:

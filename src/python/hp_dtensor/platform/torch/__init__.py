@@ -55,6 +55,7 @@ from hp_dtensor.platform.torch.process_group import (
     is_initialized,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
+from hp_dtensor.platform.torch.shard_files import SHARD_FILES
 from hp_dtensor.platform.torch.transfer import TRANSFER
 
 NAME = "torch"
@@ -71,7 +72,7 @@ __all__ = [
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
-    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG", "TRANSFER",
+    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG", "SHARD_FILES", "TRANSFER",
     "FORWARD", "add_child", "dcp_load", "dcp_save", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",
 ]
