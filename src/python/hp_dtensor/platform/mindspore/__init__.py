@@ -46,6 +46,7 @@ from hp_dtensor.platform.mindspore.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.mindspore.rng import RNG
+from hp_dtensor.platform.mindspore.transfer import SHARD_FILES, TRANSFER
 
 NAME = "mindspore"
 
@@ -55,7 +56,7 @@ def set_num_threads(n: int) -> None:
 
 
 __all__ = [
-    "NAME", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
+    "NAME", "SHARD_FILES", "TRANSFER", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
