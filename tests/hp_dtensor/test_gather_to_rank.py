@@ -21,7 +21,7 @@ def _cases() -> list[tuple[str, tuple[int, ...], str, tuple[Any, ...]]]:
 
     shapes = [(5, 3), (4, 6), (1, 7), (0, 3), (3,), ()]
     placements = ["R", "S0", "S1"]
-    out = []
+    out: list[tuple[str, tuple[int, ...], str, tuple[Any, ...]]] = []
     for shape in shapes:
         for a, b in itertools.product(placements, repeat=2):
             if (a == "S1" or b == "S1") and len(shape) < 2 or (a != "R" or b != "R") and not shape:

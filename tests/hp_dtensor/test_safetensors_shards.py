@@ -81,7 +81,7 @@ def _save_then_load_all(rank: int, world: int, root: str, save_layout: str) -> d
         read = [0]
         real = SHARD_FILES.read
 
-        def counting(handle: Any, key: str, start: Any, stop: Any) -> Any:
+        def counting(handle: Any, key: str, start: Any, stop: Any, real: Any = real, read: Any = read) -> Any:
             t = real(handle, key, start, stop)
             read[0] += t.numel() * t.element_size()
             return t

@@ -173,7 +173,8 @@ def test_fsdp_tp_export_imports_under_tp4_and_one_process(pool4: RankPool) -> No
         from safetensors.torch import load_file
         from transformers import Qwen3_5ForCausalLM as HF
 
-        hf, info = HF.from_pretrained(folder, output_loading_info=True)
+        loaded: Any = HF.from_pretrained(folder, output_loading_info=True)
+        hf, info = loaded
         assert not info["missing_keys"] and not info["unexpected_keys"], info
         stored: dict[str, Any] = {}
         for n in os.listdir(folder):
