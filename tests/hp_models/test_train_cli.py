@@ -53,7 +53,7 @@ def test_short_run_learns_matches_tp1_and_resumes(tmp_path) -> None:
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     assert log["max_loss_diff_vs_single"] < 1e-4
     assert (full / "loss.png").stat().st_size > 1000
-    assert {"model.safetensors", "config.json", "state.json", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(
+    assert {"model.safetensors.index.json", "config.json", "state.json", "optimizer-rank0.pt", "optimizer-rank1.pt"} <= set(
         os.listdir(full / "checkpoint"))
     # interrupted after 6 steps, then resumed to 12: the same losses, bit for bit
     part = tmp_path / "part"
