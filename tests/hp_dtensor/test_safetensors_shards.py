@@ -206,6 +206,45 @@ def test_damaged_checkpoints_are_refused_on_every_rank(pool4: RankPool, damage: 
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _save_failing(rank: int, world: int, root: str, how: str) -> str:
+    import torch
+
+    from hp_dtensor.checkpoint_layout import CheckpointError
+    from hp_dtensor.platform.torch.shard_files import SHARD_FILES
+    from hp_dtensor.safetensors_shards import save_shards
+
+    state = _state("s0s1", "values")
+    if how == "bad_name":
+        state["a|b"] = torch.zeros(2)
+    if how == "disk_full" and rank == 2:
+        def full(tensors: Any, path: str) -> None:
+            raise OSError(28, "No space left on device")
+
+        SHARD_FILES.write = full
+    try:
+        save_shards(state, root, 9)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        SHARD_FILES.__dict__.pop("write", None)
+    return "no error"
+
+
+@pytest.mark.parametrize("how,message", [("bad_name", "tensor name 'a|b' contains '|'"),
+                                         ("disk_full", "rank 2 could not write shard-rank00002.safetensors: "
+                                                       "OSError: [Errno 28] No space left on device")])
+def test_failed_save_is_raised_on_every_rank_and_commits_nothing(pool4: RankPool, how: str, message: str) -> None:
+    from hp_dtensor.checkpoint_manifest import complete_checkpoints
+
+    root = tempfile.mkdtemp()
+    try:
+        for msg in pool4.run(_save_failing, root, how):
+            assert message in msg, msg
+        assert complete_checkpoints(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_bad_names_are_refused() -> None:
     from hp_dtensor.checkpoint_layout import CheckpointError
     from hp_dtensor.safetensors_shards import box_key

@@ -188,6 +188,35 @@ def test_fsdp_tp_export_imports_under_tp4_and_one_process(pool4: RankPool) -> No
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _export_failing_on_one_rank(rank: int, world: int, folder: str) -> str:
+    from hp_models.qwen3_5 import Qwen3_5StateDictAdapter, tiny_config
+
+    adapter = Qwen3_5StateDictAdapter(tiny_config())
+    real = adapter.to_hf
+
+    def broken(parts: dict[str, Any]) -> dict[str, Any]:
+        if "model.norm.weight" in parts:
+            raise RuntimeError("conversion bug")
+        return real(parts)
+
+    adapter.to_hf = broken
+    try:
+        adapter.save(_layout(_model(seed=2), "tp", world), folder)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_writer_failure_is_raised_on_every_rank(pool2: RankPool) -> None:
+    folder = tempfile.mkdtemp()
+    try:
+        for msg in pool2.run(_export_failing_on_one_rank, folder, timeout=120):
+            assert "converting 'model.norm.weight': RuntimeError: conversion bug" in msg, msg
+        assert not os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # ----- import refuses what does not fit, naming it (one process) -----
 
 

@@ -92,6 +92,8 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     rank, world = prims.rank(), prims.world_size()
     nonce = prims.all_gather_object(new_nonce() if rank == 0 else None)[0]
     staging = staging_dir(root, step, nonce)
+    for fqn in state:  # on every rank, before any rank writes: a bad name fails everywhere
+        box_key(fqn, ())
     mine: dict[str, Any] = {}
     entries: dict[str, tuple[tuple[int, ...], str]] = {}
     boxes: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
@@ -105,18 +107,33 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
         key = box_key(fqn, box.offsets)
         mine[key] = prims.local_of(value)
         boxes.append((fqn, key, box.offsets, box.sizes))
-    files.write(mine, os.path.join(staging, name))
-    written = file_entries(staging, [name])
-    everyone = prims.all_gather_object((entries, boxes, {k: (v.bytes, v.sha256) for k, v in written.items()}))
+    written: dict[str, Any] = {}
+    error = None
+    try:  # a failure here (disk full, a dtype the file format lacks) is raised on every rank below
+        files.write(mine, os.path.join(staging, name))
+        written = {k: (v.bytes, v.sha256) for k, v in file_entries(staging, [name]).items()}
+    except (OSError, ValueError, TypeError) as e:
+        error = f"rank {rank} could not write {name}: {type(e).__name__}: {e}"
+    everyone = prims.all_gather_object((entries, boxes, written, error))
+    errors = [part[3] for part in everyone if part[3] is not None]
+    if errors:
+        raise CheckpointError(f"safetensors-shards save into {root} (step {step}) failed, nothing was committed: "
+                              f"{errors[0]}")
     tensors, catalogue, all_files = _merge(everyone)
+    error = None
     if rank == 0:
-        manifest = Manifest(
-            framework=Framework(current().NAME), kind=CheckpointKind.SAFETENSORS_SHARDS, step=step,
-            files=all_files, tensors=tensors, extra={"boxes": catalogue, "user": dict(extra or {})},
-        )
-        write_manifest(staging, manifest)
-        commit(staging, root, step)
-    prims.barrier()
+        try:
+            manifest = Manifest(
+                framework=Framework(current().NAME), kind=CheckpointKind.SAFETENSORS_SHARDS, step=step,
+                files=all_files, tensors=tensors, extra={"boxes": catalogue, "user": dict(extra or {})},
+            )
+            write_manifest(staging, manifest)
+            commit(staging, root, step)
+        except (OSError, ValueError, TypeError) as e:
+            error = f"rank 0 could not write the manifest or commit: {type(e).__name__}: {e}"
+    errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier after the commit
+    if errors:
+        raise CheckpointError(f"safetensors-shards save into {root} (step {step}) failed: {errors[0]}")
     return os.path.join(root, f"step-{step:08d}")
 
 
@@ -124,7 +141,7 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
     """The manifest's tensors, box catalogue and files from every rank's part (computed on every
     rank, so an inconsistent state dict is refused on all of them)."""
     tensors: dict[str, TensorEntry] = {}
-    for rank, (entries, _, _) in enumerate(everyone):
+    for rank, (entries, _, _, _) in enumerate(everyone):
         if sorted(entries) != sorted(everyone[0][0]):
             diff = sorted(set(entries) ^ set(everyone[0][0]))
             raise CheckpointError(f"safetensors-shards save: rank {rank} holds other tensors than rank 0: {diff[:8]}")
@@ -136,7 +153,7 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
                 )
     catalogue: dict[str, list[dict[str, Any]]] = {fqn: [] for fqn in tensors}
     files: dict[str, FileEntry] = {}
-    for rank, (_, boxes, written) in enumerate(everyone):
+    for rank, (_, boxes, written, _) in enumerate(everyone):
         for rel, (nbytes, sha) in written.items():
             files[rel] = FileEntry(bytes=nbytes, sha256=sha)
         for fqn, key, offsets, sizes in boxes:

@@ -48,7 +48,8 @@ def export_hf_safetensors(
     max_shard_bytes: int | None = None,
     extra_json: Mapping[str, Any] | None = None,
 ) -> ExportStats:
-    """Collective: every rank calls it with its own state dict (same keys, same ``groups``)."""
+    """Collective: every rank calls it with its own state dict (same keys, same ``groups``).  A
+    failure on any rank (a conversion, a write) is raised on every rank as ``RuntimeError``."""
     prims = transfer_primitives()
     rank, world = prims.rank(), prims.world_size()
     missing = sorted({k for ks in groups.values() for k in ks} - set(state_dict))
@@ -63,10 +64,16 @@ def export_hf_safetensors(
     dst_of = {k: plan.writer[name] for name, keys in groups.items() for k in keys}
     sources = plan_sources({k: state_dict[k] for k in dst_of}, dst_of)
 
+    error: str | None = None  # a rank's failure, raised on every rank; transfers go on so no peer waits
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        _remove_previous_export(path)
-    prims.barrier()
+        try:
+            os.makedirs(path, exist_ok=True)
+            _remove_previous_export(path)
+        except OSError as e:
+            error = f"rank 0 could not prepare the folder: {type(e).__name__}: {e}"
+    errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier before writing
+    if errors:
+        raise RuntimeError(f"HF export into {path!r} failed: {errors[0]}")
 
     live = peak = total = 0
     written: list[str] = []
@@ -75,37 +82,53 @@ def export_hf_safetensors(
         out: dict[str, Any] = {}
         for name in shard.tensors:
             parts = {k: gather_to(state_dict[k], sources[k], shard.rank) for k in groups[name]}
-            if not mine:
+            if not mine or error is not None:
                 continue
-            scratch = sum(_nbytes(prims, v) for v in parts.values())
-            converted = convert(parts)
-            if set(converted) != {name}:
-                raise ValueError(f"export: converting {list(parts)} gave {sorted(converted)}, expected only {name!r}")
-            value = converted[name]
-            new = all(value is not v for v in parts.values())  # a renamed tensor is not a new one
-            made = scratch + (_nbytes(prims, value) if new else 0)
+            try:
+                made, value = _convert(prims, convert, name, parts, sizes[name])
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                error = f"rank {rank}, converting {name!r}: {type(e).__name__}: {e}"
+                continue
             total += made
             peak = max(peak, live + made)
-            if _nbytes(prims, value) != sizes[name]:
-                raise ValueError(
-                    f"export: {name!r} has {_nbytes(prims, value)} bytes, its parts {sizes[name]}; "
-                    f"a conversion must keep the bytes (the index records their sum)"
-                )
             out[name] = value
             live += sizes[name]
-            del parts, converted, value
-        if mine:
-            _current().save_safetensors(out, os.path.join(path, shard.name), {"format": "pt"})
-            written.append(shard.name)
+            del parts, value
+        if mine and error is None:
+            try:
+                _current().save_safetensors(out, os.path.join(path, shard.name), {"format": "pt"})
+                written.append(shard.name)
+            except (OSError, ValueError, RuntimeError) as e:
+                error = f"rank {rank} could not write {shard.name}: {type(e).__name__}: {e}"
             live = 0
         del out
-    if rank == 0:
-        _write_json(os.path.join(path, INDEX_NAME), plan.index_json())
-        for fname, content in (extra_json or {}).items():
-            _write_json(os.path.join(path, fname), content)
-    prims.barrier()
+    if rank == 0 and error is None:
+        try:
+            _write_json(os.path.join(path, INDEX_NAME), plan.index_json())
+            for fname, content in (extra_json or {}).items():
+                _write_json(os.path.join(path, fname), content)
+        except OSError as e:
+            error = f"rank 0 could not write the index: {type(e).__name__}: {e}"
+    errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier at the end
+    if errors:
+        raise RuntimeError(f"HF export into {path!r} failed: {errors[0]}")
     return ExportStats(plan=plan, rank=rank, assigned_bytes=plan.assigned[rank], materialized_bytes=total,
                        peak_bytes=peak, files_written=tuple(written))
+
+
+def _convert(prims: Any, convert: Callable[[dict[str, Any]], dict[str, Any]], name: str, parts: dict[str, Any],
+             nbytes: int) -> tuple[int, Any]:
+    """(whole-tensor bytes built for it, the output tensor ``name``) from its parts."""
+    scratch = sum(_nbytes(prims, v) for v in parts.values())
+    converted = convert(parts)
+    if set(converted) != {name}:
+        raise ValueError(f"converting {list(parts)} gave {sorted(converted)}, expected only {name!r}")
+    value = converted[name]
+    if _nbytes(prims, value) != nbytes:
+        raise ValueError(f"{name!r} has {_nbytes(prims, value)} bytes, its parts {nbytes}; a conversion must "
+                         f"keep the bytes (the index records their sum)")
+    new = all(value is not v for v in parts.values())  # a renamed tensor is not a new one
+    return scratch + (_nbytes(prims, value) if new else 0), value
 
 
 def _nbytes(prims: Any, t: Any) -> int:

@@ -117,3 +117,30 @@ def test_damaged_torch_checkpoint_is_refused_by_mindspore(ms_pool, torch_pool, d
             assert "'shard-rank00000.safetensors' " + message in msg, msg
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _save_bf16(rank, world, root):
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from hp_dtensor.checkpoint_layout import CheckpointError
+    from hp_dtensor.safetensors_shards import save_shards
+    from hyper_parallel import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    state = {"w": distribute_tensor(Tensor(np.ones((8, 2), np.float32)).astype(ms.bfloat16), mesh, [Shard(0)])}
+    try:
+        save_shards(state, root, 2)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mindspore_bfloat16_save_is_refused_on_every_rank(ms_pool) -> None:
+    root = tempfile.mkdtemp()
+    try:
+        for msg in ms_pool.run(_save_bf16, root):
+            assert "tensor 'w|" in msg and "is bfloat16, which safetensors' numpy API" in msg, msg
+        assert not any(n.startswith("step-") for n in os.listdir(root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
