@@ -14,6 +14,17 @@ global shapes and dtypes are checked against the manifest naming the tensor, the
 reads, through safetensors slice reads, only the parts of the saved boxes that overlap the
 slice it holds.  The files are plain safetensors, so torch and MindSpore read each other's.
 
+A state dict may nest (``get_optimizer_state_dict``'s ``{"state": {fqn: {"exp_avg": ...}},
+"param_groups": [...]}``): tensor leaves are saved under their dotted path, other leaves that
+JSON holds (numbers, strings, bools, None) go into the manifest's ``extra["values"]`` and are put
+back into the caller's dicts and lists on load; any other leaf is refused naming its path.  A
+plain (non-DTensor) tensor is taken as the same on every rank and written once; every rank's
+crc32 of it travels in the object gather and a tensor that differs is refused naming it.
+
+Fault injection for crash tests (off unless set): ``HP_CHECKPOINT_FAULT=<point>@<rank>[:<step>]``
+makes that rank kill itself with SIGKILL when its save (of that step, or of any) reaches
+``<point>`` (a ``FaultPoint`` value).
+
 The logic is written once here; a platform supplies only file primitives (``SHARD_FILES``:
 write a dict of local tensors, open a file, read a slice of one entry) on top of the box
 transfer primitives (``TRANSFER``: ranks, object gather, local tensors, dtype names).
@@ -21,7 +32,11 @@ transfer primitives (``TRANSFER``: ranks, object gather, local tensors, dtype na
 
 from __future__ import annotations
 
+import enum
+import json
+import math
 import os
+import signal
 import zlib
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -46,6 +61,23 @@ from hp_dtensor.gather_to_rank import check_tiling, local_entry, transfer_primit
 from hp_dtensor.platform import backend_primitives, current
 
 Tensor = Any
+FAULT_ENV = "HP_CHECKPOINT_FAULT"
+
+
+class FaultPoint(enum.StrEnum):
+    """Moments of a save at which a crash test may kill a rank."""
+
+    STAGED = "staged"  # the staging directory exists, nothing written
+    FILES_WRITTEN = "files-written"  # this rank's file written and fsynced, nothing gathered
+    BEFORE_MANIFEST = "before-manifest"  # rank 0 holds every checksum, manifest not written
+    BEFORE_COMMIT = "before-commit"  # manifest written, directory not renamed
+    AFTER_COMMIT = "after-commit"  # renamed, other ranks not told
+
+
+def _fault(point: FaultPoint, rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec in (f"{point}@{rank}", f"{point}@{rank}:{step}"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ShardFilePrimitives(Protocol):
@@ -54,6 +86,7 @@ class ShardFilePrimitives(Protocol):
     def write(self, tensors: Mapping[str, Tensor], path: str) -> None: ...
     def open(self, path: str) -> AbstractContextManager[Any]: ...
     def read(self, handle: Any, key: str, start: Sequence[int], stop: Sequence[int]) -> Tensor: ...
+    def crc32(self, t: Tensor) -> int: ...
 
 
 def shard_file_primitives() -> ShardFilePrimitives:
@@ -84,24 +117,88 @@ def _writes(prims: Any, fqn: str, value: Any, box: ShardBox | None, rank: int, w
     )
 
 
+_JSON_LEAVES = (bool, int, float, str, type(None))
+
+
+def _is_tensor(value: Any) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type)
+
+
+def flatten_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, values)`` keyed by dotted path (``state.w.exp_avg``, ``param_groups.0.lr``):
+    tensor leaves and JSON leaves of a nested state dict.  Raises ``CheckpointError`` naming the
+    path of a leaf of another type or of two leaves with the same path."""
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+
+    def walk(path: str, value: Any) -> None:
+        if path in tensors or path in values:
+            raise CheckpointError(f"safetensors-shards: two entries of the state dict have the path {path!r}; "
+                                  f"rename one")
+        if _is_tensor(value):
+            tensors[path] = value
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str | int):
+                    raise CheckpointError(f"safetensors-shards: key {k!r} under {path or 'the top'!r} is a "
+                                          f"{type(k).__name__}; keys must be str or int")
+                walk(f"{path}.{k}" if path else str(k), v)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(f"{path}.{i}", v)
+        elif isinstance(value, _JSON_LEAVES):
+            values[path] = value
+        else:
+            raise CheckpointError(f"safetensors-shards: entry {path!r} is a {type(value).__name__}, which is "
+                                  f"neither a tensor, a dict, a list nor a JSON value (number, str, bool, None); "
+                                  f"convert it or leave it out")
+
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"safetensors-shards: the state dict must be a mapping, got {type(state).__name__}")
+    walk("", state)
+    return tensors, values
+
+
+def _json_value(value: Any) -> Any:
+    """A float the JSON manifest keeps exactly (NaN and infinities as strings)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"float"}:
+        return float(value["float"])
+    return value
+
+
 def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mapping[str, Any] | None = None) -> str:
     """Collective: write ``state`` (fqn -> DTensor or tensor) as the checkpoint ``<root>/step-<N>``
     atomically; returns its path.  ``extra`` (JSON) goes into the manifest's ``extra["user"]``."""
     prims = transfer_primitives()
     files = shard_file_primitives()
     rank, world = prims.rank(), prims.world_size()
+    # checked on every rank, before any rank writes: a bad state dict, name or root fails everywhere
+    state, values = flatten_state(state)
+    for fqn in state:
+        box_key(fqn, ())
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"safetensors-shards: the checkpoint root {root!r} is a file, not a directory; "
+                              f"pass a directory (it is created if missing)")
     nonce = prims.all_gather_object(new_nonce() if rank == 0 else None)[0]
     staging = staging_dir(root, step, nonce)
-    for fqn in state:  # on every rank, before any rank writes: a bad name fails everywhere
-        box_key(fqn, ())
+    _fault(FaultPoint.STAGED, rank, step)
     mine: dict[str, Any] = {}
     entries: dict[str, tuple[tuple[int, ...], str]] = {}
     boxes: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
+    plain_crcs: dict[str, int] = {}
     name = shard_file_name(rank)
     for fqn in sorted(state):
         value = state[fqn]
         shape, dtype, box = local_entry(prims, fqn, value)
         entries[fqn] = (shape, dtype)
+        if prims.spec_of(value) is None and world > 1:
+            plain_crcs[fqn] = files.crc32(prims.local_of(value))
         if box is None or not _writes(prims, fqn, value, box, rank, world):
             continue
         key = box_key(fqn, box.offsets)
@@ -114,21 +211,28 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
         written = {k: (v.bytes, v.sha256) for k, v in file_entries(staging, [name]).items()}
     except (OSError, ValueError, TypeError) as e:
         error = f"rank {rank} could not write {name}: {type(e).__name__}: {e}"
-    everyone = prims.all_gather_object((entries, boxes, written, error))
+    _fault(FaultPoint.FILES_WRITTEN, rank, step)
+    everyone = prims.all_gather_object((entries, boxes, written, error, plain_crcs))
     errors = [part[3] for part in everyone if part[3] is not None]
     if errors:
         raise CheckpointError(f"safetensors-shards save into {root} (step {step}) failed, nothing was committed: "
                               f"{errors[0]}")
     tensors, catalogue, all_files = _merge(everyone)
+    _check_plain_equal(everyone, root, step)
     error = None
     if rank == 0:
         try:
+            _fault(FaultPoint.BEFORE_MANIFEST, rank, step)
             manifest = Manifest(
                 framework=Framework(current().NAME), kind=CheckpointKind.SAFETENSORS_SHARDS, step=step,
-                files=all_files, tensors=tensors, extra={"boxes": catalogue, "user": dict(extra or {})},
+                files=all_files, tensors=tensors,
+                extra={"boxes": catalogue, "values": {k: _json_value(v) for k, v in values.items()},
+                       "user": dict(extra or {})},
             )
             write_manifest(staging, manifest)
+            _fault(FaultPoint.BEFORE_COMMIT, rank, step)
             commit(staging, root, step)
+            _fault(FaultPoint.AFTER_COMMIT, rank, step)
         except (OSError, ValueError, TypeError) as e:
             error = f"rank 0 could not write the manifest or commit: {type(e).__name__}: {e}"
     errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier after the commit
@@ -141,7 +245,7 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
     """The manifest's tensors, box catalogue and files from every rank's part (computed on every
     rank, so an inconsistent state dict is refused on all of them)."""
     tensors: dict[str, TensorEntry] = {}
-    for rank, (entries, _, _, _) in enumerate(everyone):
+    for rank, (entries, *_) in enumerate(everyone):
         if sorted(entries) != sorted(everyone[0][0]):
             diff = sorted(set(entries) ^ set(everyone[0][0]))
             raise CheckpointError(f"safetensors-shards save: rank {rank} holds other tensors than rank 0: {diff[:8]}")
@@ -153,7 +257,7 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
                 )
     catalogue: dict[str, list[dict[str, Any]]] = {fqn: [] for fqn in tensors}
     files: dict[str, FileEntry] = {}
-    for rank, (_, boxes, written, _) in enumerate(everyone):
+    for rank, (_, boxes, written, *_) in enumerate(everyone):
         for rel, (nbytes, sha) in written.items():
             files[rel] = FileEntry(bytes=nbytes, sha256=sha)
         for fqn, key, offsets, sizes in boxes:
@@ -163,6 +267,19 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
         check_tiling(fqn, entry.shape, [ShardBox(tuple(b["offsets"]), tuple(b["sizes"])) for b in catalogue[fqn]
                                         if _numel(b["sizes"]) > 0], "safetensors-shards save: the boxes")
     return tensors, catalogue, files
+
+
+def _check_plain_equal(everyone: list[Any], root: str, step: int) -> None:
+    """A plain tensor is written by one rank for all: refuse (on every rank) one whose bytes
+    differ between ranks, instead of saving one rank's copy as everyone's."""
+    for fqn, crc in sorted(everyone[0][4].items()):
+        differ = [r for r, part in enumerate(everyone) if part[4].get(fqn) != crc]
+        if differ:
+            raise CheckpointError(
+                f"safetensors-shards save into {root} (step {step}): plain tensor {fqn!r} differs between ranks "
+                f"(rank 0 vs ranks {differ}); a plain tensor is saved once for all ranks, so make it a DTensor "
+                f"if each rank holds its own part, or make it equal everywhere; nothing was committed"
+            )
 
 
 def _numel(sizes: Sequence[int]) -> int:
@@ -198,7 +315,14 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
     are refused under ``strict`` (naming them), else left alone.  Returns the manifest."""
     prims = transfer_primitives()
     files = shard_file_primitives()
+    target = state
+    state, values = flatten_state(state)
     manifest = verify_everywhere(directory)
+    saved_values = manifest.extra.get("values", {})
+    missing = sorted(k for k in values if k not in saved_values)
+    if strict and missing:
+        raise CheckpointError(f"checkpoint {directory} (step {manifest.step}) has no value {missing[0]!r} "
+                              f"({len(missing)} missing); pass strict=False to keep the state dict's own")
     expected = {}
     for fqn, value in state.items():
         shape, dtype, _ = local_entry(prims, fqn, value)
@@ -215,7 +339,20 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
     errors = [e for e in prims.all_gather_object(error) if e is not None]
     if errors:
         raise CheckpointError(f"checkpoint {directory}: loading failed: {errors[0]}")
+    _put_values(target, "", {k: _from_json(v) for k, v in saved_values.items() if k in values})
     return manifest
+
+
+def _put_values(node: Any, path: str, saved: Mapping[str, Any]) -> None:
+    """Put the saved JSON leaves back into the caller's dicts and lists (same walk as
+    ``flatten_state``); a leaf inside a tuple cannot change and is left as it is."""
+    items = node.items() if isinstance(node, Mapping) else enumerate(node)
+    for k, v in list(items):
+        sub = f"{path}.{k}" if path else str(k)
+        if isinstance(v, Mapping | list | tuple) and not _is_tensor(v):
+            _put_values(v, sub, saved)
+        elif sub in saved and isinstance(node, dict | list):
+            node[k] = saved[sub]
 
 
 def _read_boxes(prims: Any, files: ShardFilePrimitives, state: Mapping[str, Any], directory: str,

@@ -146,6 +146,13 @@ class _MsShardFiles:
             return Tensor(np.asarray(handle.get_tensor(key)))
         return Tensor(np.ascontiguousarray(handle.get_slice(key)[tuple(slice(a, b) for a, b in zip(start, stop))]))
 
+    @staticmethod
+    def crc32(t: Any) -> int:
+        """crc32 of the tensor's bytes in row-major order."""
+        import zlib
+
+        return zlib.crc32(_numpy_of(t, "a plain tensor").tobytes())
+
 
 TRANSFER = _MsTransfer()
 SHARD_FILES = _MsShardFiles()

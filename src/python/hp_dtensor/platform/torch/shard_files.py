@@ -29,5 +29,13 @@ class _TorchShardFiles:
             return handle.get_tensor(key)  # type: ignore[no-any-return]
         return handle.get_slice(key)[tuple(slice(a, b) for a, b in zip(start, stop))]  # type: ignore[no-any-return]
 
+    @staticmethod
+    def crc32(t: torch.Tensor) -> int:
+        """crc32 of the tensor's bytes in row-major order (any dtype, any strides)."""
+        import zlib
+
+        flat = t.detach().contiguous().reshape(-1)
+        return zlib.crc32(flat.view(torch.uint8).numpy().tobytes()) if flat.numel() else 0
+
 
 SHARD_FILES = _TorchShardFiles()
