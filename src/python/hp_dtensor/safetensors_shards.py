@@ -71,7 +71,8 @@ class FaultPoint(enum.StrEnum):
     FILES_WRITTEN = "files-written"  # this rank's file written and fsynced, nothing gathered
     BEFORE_MANIFEST = "before-manifest"  # rank 0 holds every checksum, manifest not written
     BEFORE_COMMIT = "before-commit"  # manifest written, directory not renamed
-    AFTER_COMMIT = "after-commit"  # renamed, other ranks not told
+    AFTER_COMMIT = "after-commit"  # (rank 0) renamed, other ranks not told
+    RETURNING = "returning"  # every rank told of the commit, save not returned
 
 
 def _fault(point: FaultPoint, rank: int, step: int) -> None:
@@ -238,6 +239,7 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier after the commit
     if errors:
         raise CheckpointError(f"safetensors-shards save into {root} (step {step}) failed: {errors[0]}")
+    _fault(FaultPoint.RETURNING, rank, step)
     return os.path.join(root, f"step-{step:08d}")
 
 
