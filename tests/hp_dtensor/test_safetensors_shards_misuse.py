@@ -20,6 +20,18 @@ from hp_dtensor.testing import RankPool, rank_pool_fixture
 pool2 = rank_pool_fixture(2, timeout=240)
 
 
+def _step(model: Any, opt: Any, s: int, layout: str) -> None:
+    """One AdamW step on step ``s``'s seeded gradients (the same global numbers under any layout)."""
+    import torch
+
+    from hp_dtensor import distribute_tensor
+
+    gs = torch.Generator().manual_seed(100 + s)
+    for _, p in model.named_parameters():
+        p.grad = distribute_tensor(torch.randn(p.shape, generator=gs), p.device_mesh, p.placements)
+    opt.step()
+
+
 def _adamw_state(rank: int, world: int, layout: str, steps: int) -> tuple[Any, Any, dict[str, Any]]:
     """A two-parameter model of DTensors (``layout`` picks the placements) and its AdamW after
     ``steps`` steps on seeded gradients (the same global numbers under any layout)."""
@@ -37,10 +49,7 @@ def _adamw_state(rank: int, world: int, layout: str, steps: int) -> tuple[Any, A
         model.register_parameter(k, torch.nn.Parameter(distribute_tensor(v, mesh, places[k])))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2 if layout == "a" else 7.0, weight_decay=0.1, foreach=False)
     for s in range(steps):
-        gs = torch.Generator().manual_seed(100 + s)
-        for k, p in model.named_parameters():
-            p.grad = distribute_tensor(torch.randn(full[k].shape, generator=gs), mesh, places[k])
-        opt.step()
+        _step(model, opt, s, layout)
     return model, opt, {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
 
@@ -54,7 +63,7 @@ def _optimizer_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
     from hp_dtensor.checkpoint import set_optimizer_state_dict
     from hp_dtensor.safetensors_shards import load_shards, save_shards
 
-    _, _, saved = _adamw_state(rank, world, "a", 3)
+    src_model, src_opt, saved = _adamw_state(rank, world, "a", 3)
     path = save_shards(saved, root, 3)
     want = {("model", k): _full(v).clone() for k, v in saved["model"].items()}
     for fqn, st in saved["optim"]["state"].items():
@@ -69,8 +78,13 @@ def _optimizer_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
         for k, v in opt.state[p].items():
             got[(fqn, k)] = _full(v)
     equal = sorted(k for k in want if k in got and torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype)
-    return {"equal": equal, "keys": sorted(want), "lr": opt.param_groups[0]["lr"],
-            "wd": opt.param_groups[0]["weight_decay"], "step": float(opt.state[names["w"]]["step"])}
+    restored = (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"], float(opt.state[names["w"]]["step"]))
+    for s in (3, 4):  # the resumed run continues the uninterrupted one: AdamW is elementwise, so bit for bit
+        _step(src_model, src_opt, s, "a")
+        _step(model, opt, s, "b")
+    mine = dict(src_model.named_parameters())
+    continued = all(torch.equal(_full(p), _full(mine[k])) for k, p in model.named_parameters())
+    return {"continued": continued, "equal": equal, "keys": sorted(want), "restored": restored}
 
 
 def test_model_and_adamw_state_reshard_bit_equal(pool2: RankPool) -> None:
@@ -80,9 +94,10 @@ def test_model_and_adamw_state_reshard_bit_equal(pool2: RankPool) -> None:
             assert r["keys"] == sorted([("model", "v"), ("model", "w")] + [
                 (p, k) for p in ("v", "w") for k in ("exp_avg", "exp_avg_sq", "step")])
             assert r["equal"] == r["keys"], sorted(set(r["keys"]) - set(r["equal"]))
-            assert (r["lr"], r["wd"], r["step"]) == (1e-2, 0.1, 3.0)
+            assert r["restored"] == (1e-2, 0.1, 3.0)
+            assert r["continued"], "two more steps after the resharded resume differ from the uninterrupted run"
         print(f"AdamW after 3 steps, saved Shard(0)/Shard(1), loaded Shard(1)/Replicate: "
-              f"{len(r['keys'])} tensors bit-equal on 2 ranks, lr and weight decay restored")
+              f"{len(r['keys'])} tensors bit-equal on 2 ranks, lr and weight decay restored, 2 more steps bit-equal to the uninterrupted run")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -138,6 +153,10 @@ def _misuse(rank: int, world: int, root: str) -> dict[str, Any]:
     out["missing_lax"] = _attempt(lambda: load(extra, strict=False))  # odd, meta... in the file, not asked for
     out["lax_values"] = (torch.equal(extra["new.w"], torch.ones(3)), torch.equal(extra["t"].full_tensor(), base.t()))
     out["value_missing"] = _attempt(lambda: load({**target, "meta": {**target["meta"], "mu": 0.5}}))
+    frozen = {**target, "meta": {**target["meta"], "flags": (True, 0.0)}}  # a tuple cannot take -inf
+    out["tuple"] = _attempt(lambda: load(frozen))
+    same = {**target, "meta": {**target["meta"], "flags": (True, -float("inf"))}}  # but equal values pass
+    out["tuple_same"] = _attempt(lambda: load(same))
 
     # saves that are refused
     out["object"] = _attempt(lambda: save_shards({"w": torch.ones(2), "opt": object()}, root, 2))
@@ -166,6 +185,8 @@ def test_careless_inputs_work_or_are_refused_on_every_rank(pool2: RankPool) -> N
             assert r["missing_strict"].startswith("CheckpointError") and "has no tensor 'new.w'" in r["missing_strict"]
             assert r["missing_lax"] == "ok" and r["lax_values"] == (True, True)
             assert "has no value 'meta.mu'" in r["value_missing"]
+            assert "value 'meta.flags.1' is -inf but the state dict holds 0.0 inside a tuple" in r["tuple"]
+            assert r["tuple_same"] == "ok"
             assert "entry 'opt' is a object" in r["object"]
             assert "tensor name 'a|b' contains '|'" in r["pipe"]
             assert "afile' is a file, not a directory" in r["root_file"]

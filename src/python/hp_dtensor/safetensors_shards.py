@@ -313,8 +313,10 @@ def verify_everywhere(directory: str) -> Manifest:
 
 def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True) -> Manifest:
     """Collective: load the checkpoint in ``directory`` in place into ``state``'s tensors (each
-    rank's own slice, any layout), after verifying it.  Tensors of ``state`` the checkpoint lacks
-    are refused under ``strict`` (naming them), else left alone.  Returns the manifest."""
+    rank's own slice, any layout), after verifying it; JSON leaves (``param_groups``' numbers) are
+    put back into ``state``'s dicts and lists.  Tensors and values of ``state`` the checkpoint
+    lacks are refused under ``strict`` (naming them), else left alone; entries of the checkpoint
+    ``state`` does not ask for are not read.  Returns the manifest."""
     prims = transfer_primitives()
     files = shard_file_primitives()
     target = state
@@ -325,6 +327,8 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
     if strict and missing:
         raise CheckpointError(f"checkpoint {directory} (step {manifest.step}) has no value {missing[0]!r} "
                               f"({len(missing)} missing); pass strict=False to keep the state dict's own")
+    restore = {k: _from_json(v) for k, v in saved_values.items() if k in values}
+    _put_values(target, "", restore, apply=False)  # a value that cannot be restored fails before any read
     expected = {}
     for fqn, value in state.items():
         shape, dtype, _ = local_entry(prims, fqn, value)
@@ -341,20 +345,29 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
     errors = [e for e in prims.all_gather_object(error) if e is not None]
     if errors:
         raise CheckpointError(f"checkpoint {directory}: loading failed: {errors[0]}")
-    _put_values(target, "", {k: _from_json(v) for k, v in saved_values.items() if k in values})
+    _put_values(target, "", restore)
     return manifest
 
 
-def _put_values(node: Any, path: str, saved: Mapping[str, Any]) -> None:
+def _put_values(node: Any, path: str, saved: Mapping[str, Any], *, apply: bool = True) -> None:
     """Put the saved JSON leaves back into the caller's dicts and lists (same walk as
-    ``flatten_state``); a leaf inside a tuple cannot change and is left as it is."""
+    ``flatten_state``); a leaf inside a tuple cannot change, so one the checkpoint holds
+    otherwise is refused naming it rather than left silently stale."""
     items = node.items() if isinstance(node, Mapping) else enumerate(node)
     for k, v in list(items):
         sub = f"{path}.{k}" if path else str(k)
         if isinstance(v, Mapping | list | tuple) and not _is_tensor(v):
-            _put_values(v, sub, saved)
+            _put_values(v, sub, saved, apply=apply)
         elif sub in saved and isinstance(node, dict | list):
-            node[k] = saved[sub]
+            if apply:
+                node[k] = saved[sub]
+        elif sub in saved and not _same_value(v, saved[sub]):
+            raise CheckpointError(f"checkpoint value {sub!r} is {saved[sub]!r} but the state dict holds {v!r} "
+                                  f"inside a tuple or read-only mapping, which cannot be updated; use a list or dict")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def _read_boxes(prims: Any, files: ShardFilePrimitives, state: Mapping[str, Any], directory: str,
