@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,arg-type,index"
+# mypy: disable-error-code="no-untyped-def,arg-type,index,union-attr"
 """The safetensors-shards save under real ``kill -9`` (2 gloo ranks in a job launched here as
 subprocesses, not the shared rank pool).  A rank is killed at each point of a save (the
 ``HP_CHECKPOINT_FAULT`` hook: staging made, its file written, before the manifest, before the

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc,assignment"
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc,assignment,dict-item"
 """The safetensors-shards checkpoint as a careless user drives it, on 2 gloo ranks: model and
 AdamW state (nested, name-keyed) saved under one layout and loaded under another bit-equal, with
 the param groups' numbers restored; plain tensors that differ between ranks are refused naming
@@ -12,8 +12,6 @@ import os
 import shutil
 import tempfile
 from typing import Any
-
-import pytest
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 

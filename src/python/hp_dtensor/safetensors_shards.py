@@ -33,7 +33,6 @@ transfer primitives (``TRANSFER``: ranks, object gather, local tensors, dtype na
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 import signal

@@ -35,7 +35,7 @@ class _TorchShardFiles:
         import zlib
 
         flat = t.detach().contiguous().reshape(-1)
-        return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else 0  # no copy of the bytes
+        return zlib.crc32(flat.view(torch.uint8).numpy().data) if flat.numel() else 0  # no copy
 
 
 SHARD_FILES = _TorchShardFiles()
