@@ -167,6 +167,10 @@ def _misuse(rank: int, world: int, root: str) -> dict[str, Any]:
     out["negative"] = _attempt(lambda: save_shards({"w": torch.ones(2)}, root, -1))
     out["differ"] = _attempt(lambda: save_shards({"same": torch.ones(2), "seed": torch.tensor([rank])}, root, 2))
     out["dup"] = _attempt(lambda: save_shards({"a.b": torch.ones(2), "a": {"b": torch.ones(2)}}, root, 2))
+    # a problem on one rank only is raised on both, not left for the other to wait on
+    lone = {"w": torch.ones(2), **({"opt": object()} if rank == 1 else {})}
+    out["one_rank_save"] = _attempt(lambda: save_shards(lone, root, 2))
+    out["one_rank_load"] = _attempt(lambda: load({**target, "odd": torch.zeros(7 if rank == 1 else 6)}))
     out["after"] = sorted(n for n in os.listdir(root) if n.startswith("step-"))
     return out
 
@@ -191,6 +195,9 @@ def test_careless_inputs_work_or_are_refused_on_every_rank(pool2: RankPool) -> N
             assert r["negative"].startswith("ValueError") and "got -1" in r["negative"]
             assert "plain tensor 'seed' differs between ranks (rank 0 vs ranks [1])" in r["differ"]
             assert "have the path 'a.b'" in r["dup"]
+            assert "rank 1: safetensors-shards: entry 'opt' is a object" in r["one_rank_save"]
+            assert "tensor 'odd' is float32 of global shape (6,), but it is loaded into float32 of global shape (7,)" \
+                in r["one_rank_load"]
             assert r["after"] == ["step-00000001"]
         assert results[0] == results[1]  # the same outcome and message on every rank
         print(f"careless inputs on 2 ranks: {len(results[0])} cases, each worked or was refused naming the value")

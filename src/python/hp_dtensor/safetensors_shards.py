@@ -53,6 +53,7 @@ from hp_dtensor.checkpoint_manifest import (
     file_entries,
     new_nonce,
     staging_dir,
+    step_name,
     verify_checkpoint,
     write_manifest,
 )
@@ -178,14 +179,22 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     prims = transfer_primitives()
     files = shard_file_primitives()
     rank, world = prims.rank(), prims.world_size()
-    # checked on every rank, before any rank writes: a bad state dict, name or root fails everywhere
-    state, values = flatten_state(state)
-    for fqn in state:
-        box_key(fqn, ())
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise CheckpointError(f"safetensors-shards: the checkpoint root {root!r} is a file, not a directory; "
-                              f"pass a directory (it is created if missing)")
-    nonce = prims.all_gather_object(new_nonce() if rank == 0 else None)[0]
+    # checked before any rank writes, and the outcome shared with the nonce: a bad state dict,
+    # name, step or root on any one rank fails on every rank (none is left waiting in a collective)
+    problem: tuple[str, str] | None = None
+    try:
+        step_name(step)
+        state, values = flatten_state(state)
+        for fqn in state:
+            box_key(fqn, ())
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise CheckpointError(f"safetensors-shards: the checkpoint root {root!r} is a file, not a directory; "
+                                  f"pass a directory (it is created if missing)")
+    except (CheckpointError, ValueError) as e:
+        problem = (type(e).__name__, f"rank {rank}: {e}")
+    gathered = prims.all_gather_object((new_nonce() if rank == 0 else None, problem))
+    _raise_first([part[1] for part in gathered])
+    nonce = gathered[0][0]
     staging = staging_dir(root, step, nonce)
     _fault(FaultPoint.STAGED, rank, step)
     mine: dict[str, Any] = {}
@@ -270,6 +279,15 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
     return tensors, catalogue, files
 
 
+def _raise_first(problems: Sequence[tuple[str, str] | None]) -> None:
+    """Raise, on this rank, the first rank's ``(exception type name, message)`` of ``problems``
+    (one per rank, from an object gather), as a ``ValueError`` or a ``CheckpointError``."""
+    for problem in problems:
+        if problem is not None:
+            kind, message = problem
+            raise (ValueError if kind == "ValueError" else CheckpointError)(message)
+
+
 def _check_plain_equal(everyone: list[Any], root: str, step: int) -> None:
     """A plain tensor is written by one rank for all: refuse (on every rank) one whose bytes
     differ between ranks, instead of saving one rank's copy as everyone's."""
@@ -319,26 +337,30 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
     prims = transfer_primitives()
     files = shard_file_primitives()
     target = state
-    state, values = flatten_state(state)
     manifest = verify_everywhere(directory)
-    saved_values = manifest.extra.get("values", {})
-    missing = sorted(k for k in values if k not in saved_values)
-    if strict and missing:
-        raise CheckpointError(f"checkpoint {directory} (step {manifest.step}) has no value {missing[0]!r} "
-                              f"({len(missing)} missing); pass strict=False to keep the state dict's own")
-    restore = {k: _from_json(v) for k, v in saved_values.items() if k in values}
-    _put_values(target, "", restore, apply=False)  # a value that cannot be restored fails before any read
-    expected = {}
-    for fqn, value in state.items():
-        shape, dtype, _ = local_entry(prims, fqn, value)
-        expected[fqn] = (shape, dtype)
-    check_tensors(manifest, expected, strict=strict, where=directory)
-    catalogue = manifest.extra.get("boxes")
-    if not isinstance(catalogue, dict):
-        raise CheckpointError(f"checkpoint {directory}: manifest has no box catalogue (extra.boxes)")
+    problem: tuple[str, str] | None = None
+    try:  # every check before any read; a failure on any one rank is raised on every rank
+        state, values = flatten_state(target)
+        saved_values = manifest.extra.get("values", {})
+        missing = sorted(k for k in values if k not in saved_values)
+        if strict and missing:
+            raise CheckpointError(f"checkpoint {directory} (step {manifest.step}) has no value {missing[0]!r} "
+                                  f"({len(missing)} missing); pass strict=False to keep the state dict's own")
+        restore = {k: _from_json(v) for k, v in saved_values.items() if k in values}
+        _put_values(target, "", restore, apply=False)
+        expected = {}
+        for fqn, value in state.items():
+            shape, dtype, _ = local_entry(prims, fqn, value)
+            expected[fqn] = (shape, dtype)
+        check_tensors(manifest, expected, strict=strict, where=directory)
+        if not isinstance(manifest.extra.get("boxes"), dict):
+            raise CheckpointError(f"checkpoint {directory}: manifest has no box catalogue (extra.boxes)")
+    except (CheckpointError, ValueError) as e:
+        problem = (type(e).__name__, str(e))
+    _raise_first(prims.all_gather_object(problem))
     error = None
     try:
-        _read_boxes(prims, files, state, directory, manifest, catalogue)
+        _read_boxes(prims, files, state, directory, manifest, manifest.extra["boxes"])
     except Exception as e:  # noqa: BLE001  (raised on every rank below, not swallowed)
         error = f"{type(e).__name__}: {e}"
     errors = [e for e in prims.all_gather_object(error) if e is not None]
