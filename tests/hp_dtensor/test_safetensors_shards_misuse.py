@@ -158,6 +158,7 @@ def _misuse(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # saves that are refused
     out["object"] = _attempt(lambda: save_shards({"w": torch.ones(2), "opt": object()}, root, 2))
+    out["complex"] = _attempt(lambda: save_shards({"z": torch.ones(2, dtype=torch.complex64)}, root, 2))
     out["pipe"] = _attempt(lambda: save_shards({"a|b": torch.ones(2)}, root, 2))
     afile = os.path.join(root, "afile")
     if rank == 0:
@@ -191,6 +192,7 @@ def test_careless_inputs_work_or_are_refused_on_every_rank(pool2: RankPool) -> N
             assert r["tuple_same"] == "ok"
             assert "entry 'opt' is a object" in r["object"]
             assert "tensor name 'a|b' contains '|'" in r["pipe"]
+            assert r["complex"].startswith("ValueError") and "tensor 'z': dtype torch.complex64 has no" in r["complex"]
             assert "afile' is a file, not a directory" in r["root_file"]
             assert r["negative"].startswith("ValueError") and "got -1" in r["negative"]
             assert "plain tensor 'seed' differs between ranks (rank 0 vs ranks [1])" in r["differ"]

@@ -185,8 +185,9 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     try:
         step_name(step)
         state, values = flatten_state(state)
-        for fqn in state:
+        for fqn, value in state.items():
             box_key(fqn, ())
+            _check_dtype(prims, fqn, value)
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"safetensors-shards: the checkpoint root {root!r} is a file, not a directory; "
                                   f"pass a directory (it is created if missing)")
@@ -279,6 +280,13 @@ def _merge(everyone: list[Any]) -> tuple[dict[str, TensorEntry], dict[str, list[
     return tensors, catalogue, files
 
 
+def _check_dtype(prims: Any, fqn: str, value: Any) -> None:
+    try:
+        prims.dtype_name(value)
+    except ValueError as e:
+        raise ValueError(f"safetensors-shards: tensor {fqn!r}: {e}") from e
+
+
 def _raise_first(problems: Sequence[tuple[str, str] | None]) -> None:
     """Raise, on this rank, the first rank's ``(exception type name, message)`` of ``problems``
     (one per rank, from an object gather), as a ``ValueError`` or a ``CheckpointError``."""
@@ -350,6 +358,7 @@ def load_shards(state: Mapping[str, Any], directory: str, *, strict: bool = True
         _put_values(target, "", restore, apply=False)
         expected = {}
         for fqn, value in state.items():
+            _check_dtype(prims, fqn, value)
             shape, dtype, _ = local_entry(prims, fqn, value)
             expected[fqn] = (shape, dtype)
         check_tensors(manifest, expected, strict=strict, where=directory)
