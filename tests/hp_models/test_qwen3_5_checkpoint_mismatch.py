@@ -81,14 +81,10 @@ def test_other_dtype_is_refused_unless_cast_is_asked(tmp_path) -> None:
 
 
 def _tp_load_bigger(rank: int, world: int, folder: str) -> str:
-    import torch.distributed as dist
-
     from hp_dtensor import init_device_mesh
     from hp_models.qwen3_5 import Qwen3_5StateDictAdapter, parallelize_qwen3_5_tp
 
-    if rank == 0:
-        _save(_small(intermediate_size=768), folder)
-    dist.barrier()
+    _save(_small(intermediate_size=768), folder)  # collective: every rank holds the whole (plain) model
     cfg = _small()
     model = parallelize_qwen3_5_tp(cfg.build(), init_device_mesh("cpu", (world,)))
     try:

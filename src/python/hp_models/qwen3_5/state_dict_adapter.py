@@ -18,6 +18,7 @@ from hp_dtensor import DTensor
 from hp_dtensor.shard_geometry import local_shape_and_offset
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_protocols import BaseStateDictAdapter
+from hp_protocols.hf_export import INDEX_NAME, ExportStats, export_hf_safetensors
 
 _PREFIXES = ("model.language_model.", "model.")
 _SAFETENSORS_DTYPES = {
@@ -105,6 +106,11 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
             for f in _checkpoint_files(path):
                 handle = stack.enter_context(safe_open(f, framework="pt"))
                 for name in handle.keys():  # noqa: SIM118  (safe_open handles are not mappings)
+                    if _strip(name) in where:
+                        raise ValueError(
+                            f"checkpoint in {path!r} holds tensor {_strip(name)!r} twice (in {f!r} and another "
+                            f"file); remove the stale file"
+                        )
                     where[_strip(name)] = (handle, name)
             params = model.state_dict(keep_vars=True)
             if self.config.tie_word_embeddings:
@@ -161,17 +167,26 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                 f"{param.dtype}; pass allow_dtype_cast=True to convert, or build the model in that dtype"
             )
 
-    def save(self, model: Any, path: str) -> None:
-        """Write ``model.safetensors`` and ``config.json`` (full tensors; call on every rank, rank 0 writes)."""
-        sd = self.to_hf(model.state_dict())
-        if _rank() == 0:
-            os.makedirs(path, exist_ok=True)
-            from safetensors.torch import save_file
+    def hf_groups(self, keys: list[str]) -> dict[str, list[str]]:
+        """Each HF tensor name -> this model's keys it is built from (q, k, v for a fused one), in
+        the order of ``keys``; with tied embeddings ``lm_head.weight`` is not exported (HF re-ties)."""
+        groups: dict[str, list[str]] = {}
+        for key in keys:
+            if key == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            groups.setdefault(self.hf_source(key)[0], []).append(key)
+        return groups
 
-            save_file({k: v.detach().contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
-            with open(os.path.join(path, "config.json"), "w") as f:
-                json.dump(self.config.to_hf_dict(), f, indent=2)
-
+    def save(self, model: Any, path: str, *, max_shard_bytes: int | None = None) -> ExportStats:
+        """Write HF ``model-0000k-of-0000n.safetensors`` shards, ``model.safetensors.index.json``
+        and ``config.json`` into ``path``.  Collective: call on every rank.  No rank holds the
+        model: each HF tensor is assembled on one writer rank only (writers balanced by bytes),
+        which writes its file(s); rank 0 writes the index and config."""
+        sd = model.state_dict()
+        return export_hf_safetensors(
+            sd, path, groups=self.hf_groups(list(sd)), convert=self.to_hf, max_shard_bytes=max_shard_bytes,
+            extra_json={"config.json": self.config.to_hf_dict()},
+        )
 
 def _strip(key: str) -> str:
     for p in _PREFIXES:
@@ -180,20 +195,26 @@ def _strip(key: str) -> str:
     return key
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _checkpoint_files(path: str) -> list[str]:
+    """The weight files of the checkpoint in ``path``: those its index names when it has one
+    (each must exist), else every ``*.safetensors`` file."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"checkpoint index {index!r} is not a valid index (needs a weight_map): {e}") from e
+        absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if absent:
+            raise FileNotFoundError(f"checkpoint index {index!r} names files that are missing: {absent}")
+        return [os.path.join(path, n) for n in names]
     files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors file in {path!r}")
     return files
-
 
 def _local_index(param: Any, row_offset: int) -> tuple[slice, ...]:
     """Slices of the (HF) tensor holding this rank's shard of ``param``.  Several mesh dims may

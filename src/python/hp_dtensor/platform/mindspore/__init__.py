@@ -51,6 +51,7 @@ from hp_dtensor.platform.mindspore.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.mindspore.rng import RNG
+from hp_dtensor.platform.mindspore.transfer import SHARD_FILES, TRANSFER
 
 _dtensor.install_dispatch(_dispatch)
 
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     _conforms: Backend = _self
 
 __all__ = [
-    "NAME", "COLLECTIVES", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
+    "NAME", "COLLECTIVES", "SHARD_FILES", "TRANSFER", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",

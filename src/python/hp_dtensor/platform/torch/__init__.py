@@ -66,6 +66,8 @@ from hp_dtensor.platform.torch.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.torch.random_ops import RNG
+from hp_dtensor.platform.torch.shard_files import SHARD_FILES
+from hp_dtensor.platform.torch.transfer import TRANSFER
 
 _dtensor.install_dispatch(_dispatch)
 
@@ -90,7 +92,7 @@ __all__ = [
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "ensure_process_group", "get_or_create_group", "get_rank",
-    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
+    "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG", "SHARD_FILES", "TRANSFER",
     "FORWARD", "add_child", "all_gather_object", "broadcast_object", "dcp_load", "dcp_save", "dcp_write",
     "tensor_meta", "stage_to_cpu", "new_world_group", "get_model_state_dict", "get_optimizer_state_dict",
     "set_model_state_dict", "set_optimizer_state_dict", "parameters", "register_buffer", "register_param", "state_dict",

@@ -1,0 +1,158 @@
+"""Box transfer and safetensors primitives of MindSpore (``TransferPrimitives``, ``ShardFilePrimitives``).
+
+mccl on CPU has no point-to-point, so ``send``/``recv`` (gathering a tensor onto one rank) are
+refused; the object gather goes through the exact integer gather of the collectives module, on
+the world group.  safetensors files are written and read through safetensors' numpy API, so they
+hold the same bytes a torch run writes; numpy has no bfloat16, so bfloat16 tensors are refused
+by name.  dtype names are the framework-neutral lowercase names torch uses too.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
+
+from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.platform.mindspore import collectives as C
+from hp_dtensor.platform.mindspore import process_group as PG
+from hp_dtensor.platform.mindspore.dtensor import DTensor
+
+_DTYPES: dict[str, Any] = {
+    "float64": ms.float64, "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
+    "int64": ms.int64, "int32": ms.int32, "int16": ms.int16, "int8": ms.int8, "uint8": ms.uint8, "bool": ms.bool_,
+}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
+
+
+def dtype_name(dtype: Any) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} has no checkpoint name; supported: {sorted(_DTYPES)}")
+
+
+def _plain(t: Any) -> Tensor:
+    """A plain Tensor sharing ``t``'s data (DTensors and Parameters included)."""
+    return t if type(t) is Tensor else Tensor._make_subclass(Tensor, t)
+
+
+def _numpy_of(t: Any, what: str) -> np.ndarray:
+    if t.dtype == ms.bfloat16:
+        raise ValueError(f"{what} is bfloat16, which safetensors' numpy API (used on MindSpore) cannot store; "
+                         f"cast it to float32 before saving")
+    return np.ascontiguousarray(_plain(t).asnumpy())
+
+
+class _MsTransfer:
+    @staticmethod
+    def rank() -> int:
+        return PG.get_rank()
+
+    @staticmethod
+    def world_size() -> int:
+        return PG.get_world_size()
+
+    @staticmethod
+    def all_gather_object(obj: Any) -> list[Any]:
+        n = PG.get_world_size()
+        if n == 1:
+            return [obj]
+        raw = np.frombuffer(pickle.dumps(obj), np.uint8)
+        index = PG.get_rank()
+        sizes = C.gather_int_table(np.asarray([[raw.size]], np.int64), PG.world_group(), n, index).reshape(-1)
+        words = (int(sizes.max()) + 7) // 8
+        padded = np.zeros(words * 8, np.uint8)
+        padded[: raw.size] = raw
+        rows = C.gather_int_table(padded.view(np.int64).reshape(1, words), PG.world_group(), n, index)
+        rows_u8 = np.ascontiguousarray(rows).view(np.uint8).reshape(n, words * 8)
+        return [pickle.loads(rows_u8[r, : int(sizes[r])].tobytes()) for r in range(n)]
+
+    @staticmethod
+    def barrier() -> None:
+        C.barrier(PG.world_group(), PG.get_world_size())
+
+    @staticmethod
+    def spec_of(t: Any) -> DTensorSpec | None:
+        return t._spec if isinstance(t, DTensor) else None
+
+    @staticmethod
+    def local_of(t: Any) -> Tensor:
+        return _plain(t)
+
+    @staticmethod
+    def shape_of(t: Any) -> tuple[int, ...]:
+        return tuple(int(n) for n in t.shape)
+
+    @staticmethod
+    def dtype_name(t: Any) -> str:
+        return dtype_name(t.dtype)
+
+    @staticmethod
+    def itemsize(name: str) -> int:
+        if name not in _ITEMSIZE:
+            raise ValueError(f"dtype {name!r} is not one of {sorted(_ITEMSIZE)}")
+        return _ITEMSIZE[name]
+
+    @staticmethod
+    def empty(shape: Sequence[int], name: str) -> Tensor:
+        return Tensor(np.zeros(tuple(shape), np.float32)).astype(_DTYPES[name])
+
+    @staticmethod
+    def put_box(buf: Any, offsets: Sequence[int], piece: Any) -> None:
+        """Copy ``piece`` into ``buf`` at ``offsets`` in place (``buf`` keeps its identity)."""
+        target = _plain(buf)
+        piece = piece if isinstance(piece, Tensor) else Tensor(piece)
+        if not offsets:
+            target.assign_value(piece.astype(target.dtype))
+            return
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+        target[index] = piece.astype(target.dtype)
+
+    @staticmethod
+    def send(t: Any, dst: int) -> None:
+        raise NotImplementedError("gathering a tensor onto one rank needs point-to-point sends, which MindSpore's "
+                                  "CPU collectives (mccl) lack; export on the torch backend")
+
+    @staticmethod
+    def recv(shape: Sequence[int], name: str, src: int) -> Tensor:
+        raise NotImplementedError("gathering a tensor onto one rank needs point-to-point receives, which "
+                                  "MindSpore's CPU collectives (mccl) lack; export on the torch backend")
+
+
+class _MsShardFiles:
+    @staticmethod
+    def write(tensors: Mapping[str, Any], path: str) -> None:
+        from safetensors.numpy import save_file
+
+        save_file({k: _numpy_of(v, f"tensor {k!r}") for k, v in tensors.items()}, path, metadata={"format": "np"})
+
+    @staticmethod
+    def open(path: str) -> AbstractContextManager[Any]:
+        from safetensors import safe_open
+
+        return safe_open(path, framework="np")  # type: ignore[no-any-return]
+
+    @staticmethod
+    def read(handle: Any, key: str, start: Sequence[int], stop: Sequence[int]) -> Tensor:
+        """Elements ``start:stop`` of entry ``key``, reading only those bytes from disk."""
+        if not start:
+            return Tensor(np.asarray(handle.get_tensor(key)))
+        return Tensor(np.ascontiguousarray(handle.get_slice(key)[tuple(slice(a, b) for a, b in zip(start, stop))]))
+
+    @staticmethod
+    def crc32(t: Any) -> int:
+        """crc32 of the tensor's bytes in row-major order."""
+        import zlib
+
+        return zlib.crc32(_numpy_of(t, "a plain tensor").tobytes())
+
+
+TRANSFER = _MsTransfer()
+SHARD_FILES = _MsShardFiles()
