@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def save_safetensors(tensors: dict[str, Any], path: str) -> None:
+def save_safetensors(tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (DTensors as full tensors) to ``path`` with the header ``metadata``."""
     import numpy as np
     from mindspore import Tensor
     from safetensors.numpy import save_file
@@ -17,7 +18,7 @@ def save_safetensors(tensors: dict[str, Any], path: str) -> None:
     for k, v in tensors.items():
         whole = v.full_tensor() if isinstance(v, DTensor) else v
         plain[k] = np.ascontiguousarray(Tensor.asnumpy(whole) if isinstance(whole, Tensor) else np.asarray(whole))
-    save_file(plain, path)
+    save_file(plain, path, metadata=metadata)
 
 
 def load_safetensors(path: str) -> dict[str, Any]:
