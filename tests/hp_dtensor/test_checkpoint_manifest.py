@@ -203,6 +203,39 @@ def test_commit_replaces_same_step_and_checks_step(tmp_path: object) -> None:
     assert [s for s, _ in complete_checkpoints(root)] == [6]
 
 
+def test_crash_between_the_two_renames_of_a_resave_keeps_the_old_step(tmp_path: object, monkeypatch: object) -> None:
+    """A re-save of step N moves the old checkpoint aside, then renames the new one in; a crash
+    between the two must leave step N loadable (the old copy), and a later prune keeps it."""
+    root = str(tmp_path)
+    _save(root, 5)
+    _save(root, 6, b"old")
+    stage = _save(root, 6, b"new-payload", commit_it=False)
+    real_rename = os.rename
+    calls = []
+
+    def crash_on_second_rename(src: str, dst: str) -> None:
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second_rename)  # type: ignore[attr-defined]
+    with pytest.raises(KeyboardInterrupt):
+        commit(stage, root, 6)
+    monkeypatch.setattr(os, "rename", real_rename)  # type: ignore[attr-defined]
+    assert not os.path.exists(os.path.join(root, "step-00000006"))
+    step, path = newest_complete(root)  # type: ignore[misc]
+    assert step == 6 and os.path.basename(path).startswith(".trash-step-00000006-")
+    assert verify_checkpoint(path).files["__0_0.distcp"].bytes == len(b"old")
+    removed = prune(root, keep=2)
+    assert removed == [stage]  # the unfinished new copy goes, the old step 6 stays
+    assert [s for s, _ in complete_checkpoints(root)] == [5, 6]
+    again = _save(root, 6, b"newer")  # the next save of step 6 supersedes the moved-aside copy
+    assert newest_complete(root) == (6, again)
+    prune(root, keep=2)
+    assert sorted(os.listdir(root)) == ["step-00000005", "step-00000006"]
+
+
 def test_no_root_and_bad_arguments(tmp_path: object) -> None:
     missing = os.path.join(str(tmp_path), "nowhere")
     assert complete_checkpoints(missing) == [] and newest_complete(missing) is None

@@ -43,6 +43,7 @@ STEP_DIGITS = 8
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _STAGING_PREFIX = ".staging-step-"
 _TRASH_PREFIX = ".trash-step-"
+_TRASH_RE = re.compile(r"^\.trash-step-(\d{8})-[0-9A-Za-z]+$")
 _CHUNK = 1 << 20
 
 
@@ -370,12 +371,17 @@ def commit(staging: str, root: str, step: int) -> str:
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     """``(step, path)`` of every ``step-<N>`` directory under ``root`` whose manifest parses and
-    names step ``N``, oldest first (file contents are not hashed here: ``verify_checkpoint``)."""
+    names step ``N``, oldest first (file contents are not hashed here: ``verify_checkpoint``).
+
+    A re-save of an existing step moves the old checkpoint aside before renaming the new one in; a
+    crash between the two renames leaves only the moved-aside copy, which still counts as step
+    ``N`` (it is complete, and the new one never was)."""
     if not os.path.isdir(root):
         return []
-    out = []
+    found: dict[int, str] = {}
+    aside: dict[int, str] = {}
     for name in os.listdir(root):
-        m = _STEP_RE.match(name)
+        m = _STEP_RE.match(name) or _TRASH_RE.match(name)
         if m is None:
             continue
         path = os.path.join(root, name)
@@ -384,8 +390,10 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
         except CheckpointError:
             continue
         if manifest.step == int(m.group(1)):
-            out.append((manifest.step, path))
-    return sorted(out)
+            (found if name.startswith("step-") else aside)[manifest.step] = path
+    for step, path in aside.items():
+        found.setdefault(step, path)
+    return sorted(found.items())
 
 
 def newest_complete(root: str) -> tuple[int, str] | None:
@@ -402,13 +410,15 @@ def prune(root: str, keep: int) -> list[str]:
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"prune: keep must be an int >= 1 (the newest checkpoint is never removed), got {keep!r}")
     removed = []
-    for _, path in complete_checkpoints(root)[:-keep]:
+    complete = complete_checkpoints(root)
+    for _, path in complete[:-keep]:
         shutil.rmtree(path)
         removed.append(path)
+    kept = {path for _, path in complete[-keep:]}
     if os.path.isdir(root):
         for name in sorted(os.listdir(root)):
-            if name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)):
-                path = os.path.join(root, name)
+            path = os.path.join(root, name)
+            if name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)) and path not in kept:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     if removed:
