@@ -15,19 +15,17 @@ sizes, and the checksums, spread over the ranks; then every tensor's global shap
 against the state dict it loads into) and raises one ``CheckpointError`` on every rank naming the
 file or tensor, before it reads any tensor.
 
-Fault injection for crash tests (off unless set): ``HP_CHECKPOINT_FAULT=<point>@<rank>[:<step>]``
-makes that rank kill itself with SIGKILL when its save (of that step, or of any) reaches
-``<point>`` (a ``FaultPoint`` value).
+Crash tests kill a rank at the moments ``hp_dtensor.checkpoint_faults.FaultPoint`` names (off
+unless ``HP_CHECKPOINT_FAULT`` is set).
 """
 
 from __future__ import annotations
 
-import enum
 import os
-import signal
 from collections.abc import Mapping
 from typing import Any
 
+from hp_dtensor.checkpoint_faults import FAULT_ENV, FaultPoint, crash_point
 from hp_dtensor.checkpoint_layout import CheckpointError
 from hp_dtensor.checkpoint_manifest import (
     CheckpointKind,
@@ -47,24 +45,6 @@ from hp_dtensor.checkpoint_manifest import (
     write_manifest,
 )
 from hp_dtensor.platform import current
-
-FAULT_ENV = "HP_CHECKPOINT_FAULT"
-
-
-class FaultPoint(enum.StrEnum):
-    """Moments of a save at which a crash test may kill a rank."""
-
-    STAGED = "staged"  # the staging directory exists, nothing written
-    FILES_WRITTEN = "files-written"  # every rank's shards written, no checksum gathered
-    BEFORE_MANIFEST = "before-manifest"  # rank 0 holds every checksum, manifest not written
-    BEFORE_COMMIT = "before-commit"  # manifest written, directory not renamed
-    AFTER_COMMIT = "after-commit"  # renamed, not pruned, other ranks not told
-
-
-def _fault(point: FaultPoint, rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec in (f"{point}@{rank}", f"{point}@{rank}:{step}"):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _backend() -> Any:
@@ -116,9 +96,9 @@ def save_checkpoint(
         os.makedirs(root, exist_ok=True)
     nonce = plat.broadcast_object(new_nonce() if rank == 0 else None, group=group)
     stage = staging_dir(root, step, nonce)
-    _fault(FaultPoint.STAGED, rank, step)
+    crash_point(FaultPoint.STAGED, rank, step)
     written = plat.dcp_write(dict(state_dict), stage, group=group)
-    _fault(FaultPoint.FILES_WRITTEN, rank, step)
+    crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     error: str | None = None
     try:
         mine = file_entries(stage, written)
@@ -153,7 +133,7 @@ def _finish(
     for entries, _ in gathered:
         files.update(entries)
     try:
-        _fault(FaultPoint.BEFORE_MANIFEST, 0, step)
+        crash_point(FaultPoint.BEFORE_MANIFEST, 0, step)
         manifest = Manifest(
             framework=Framework(plat.NAME),
             kind=CheckpointKind.DCP,
@@ -163,9 +143,9 @@ def _finish(
             extra=dict(extra or {}),
         )
         write_manifest(stage, manifest)
-        _fault(FaultPoint.BEFORE_COMMIT, 0, step)
+        crash_point(FaultPoint.BEFORE_COMMIT, 0, step)
         path = commit(stage, root, step)
-        _fault(FaultPoint.AFTER_COMMIT, 0, step)
+        crash_point(FaultPoint.AFTER_COMMIT, 0, step)
         if keep is not None:
             prune(root, keep)
     except (OSError, TypeError, ValueError) as e:  # TypeError/ValueError: extra is not JSON

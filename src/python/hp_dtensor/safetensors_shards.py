@@ -21,9 +21,8 @@ back into the caller's dicts and lists on load; any other leaf is refused naming
 plain (non-DTensor) tensor is taken as the same on every rank and written once; every rank's
 crc32 of it travels in the object gather and a tensor that differs is refused naming it.
 
-Fault injection for crash tests (off unless set): ``HP_CHECKPOINT_FAULT=<point>@<rank>[:<step>]``
-makes that rank kill itself with SIGKILL when its save (of that step, or of any) reaches
-``<point>`` (a ``FaultPoint`` value).
+Crash tests kill a rank at the moments ``hp_dtensor.checkpoint_faults.FaultPoint`` names (off
+unless ``HP_CHECKPOINT_FAULT`` is set).
 
 The logic is written once here; a platform supplies only file primitives (``SHARD_FILES``:
 write a dict of local tensors, open a file, read a slice of one entry) on top of the box
@@ -32,15 +31,14 @@ transfer primitives (``TRANSFER``: ranks, object gather, local tensors, dtype na
 
 from __future__ import annotations
 
-import enum
 import math
 import os
-import signal
 import zlib
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Protocol
 
+from hp_dtensor.checkpoint_faults import FaultPoint, crash_point
 from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, writes_box
 from hp_dtensor.checkpoint_manifest import (
     CheckpointKind,
@@ -61,26 +59,6 @@ from hp_dtensor.gather_to_rank import check_tiling, local_entry, transfer_primit
 from hp_dtensor.platform import backend_primitives, current
 
 Tensor = Any
-FAULT_ENV = "HP_CHECKPOINT_FAULT"
-
-
-class FaultPoint(enum.StrEnum):
-    """Moments of a save at which a crash test may kill a rank."""
-
-    STAGED = "staged"  # the staging directory exists, nothing written
-    FILES_WRITTEN = "files-written"  # this rank's file written and fsynced, nothing gathered
-    BEFORE_MANIFEST = "before-manifest"  # rank 0 holds every checksum, manifest not written
-    BEFORE_COMMIT = "before-commit"  # manifest written, directory not renamed
-    AFTER_COMMIT = "after-commit"  # (rank 0) renamed, other ranks not told
-    RETURNING = "returning"  # every rank told of the commit, save not returned
-
-
-def _fault(point: FaultPoint, rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec in (f"{point}@{rank}", f"{point}@{rank}:{step}"):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class ShardFilePrimitives(Protocol):
     """safetensors I/O of one framework (``platform.current().SHARD_FILES``)."""
 
@@ -197,7 +175,7 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     _raise_first([part[1] for part in gathered])
     nonce = gathered[0][0]
     staging = staging_dir(root, step, nonce)
-    _fault(FaultPoint.STAGED, rank, step)
+    crash_point(FaultPoint.STAGED, rank, step)
     mine: dict[str, Any] = {}
     entries: dict[str, tuple[tuple[int, ...], str]] = {}
     boxes: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]] = []
@@ -221,7 +199,7 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
         written = {k: (v.bytes, v.sha256) for k, v in file_entries(staging, [name]).items()}
     except (OSError, ValueError, TypeError) as e:
         error = f"rank {rank} could not write {name}: {type(e).__name__}: {e}"
-    _fault(FaultPoint.FILES_WRITTEN, rank, step)
+    crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     everyone = prims.all_gather_object((entries, boxes, written, error, plain_crcs))
     errors = [part[3] for part in everyone if part[3] is not None]
     if errors:
@@ -232,7 +210,7 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     error = None
     if rank == 0:
         try:
-            _fault(FaultPoint.BEFORE_MANIFEST, rank, step)
+            crash_point(FaultPoint.BEFORE_MANIFEST, rank, step)
             manifest = Manifest(
                 framework=Framework(current().NAME), kind=CheckpointKind.SAFETENSORS_SHARDS, step=step,
                 files=all_files, tensors=tensors,
@@ -240,15 +218,15 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
                        "user": dict(extra or {})},
             )
             write_manifest(staging, manifest)
-            _fault(FaultPoint.BEFORE_COMMIT, rank, step)
+            crash_point(FaultPoint.BEFORE_COMMIT, rank, step)
             commit(staging, root, step)
-            _fault(FaultPoint.AFTER_COMMIT, rank, step)
+            crash_point(FaultPoint.AFTER_COMMIT, rank, step)
         except (OSError, ValueError, TypeError) as e:
             error = f"rank 0 could not write the manifest or commit: {type(e).__name__}: {e}"
     errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier after the commit
     if errors:
         raise CheckpointError(f"safetensors-shards save into {root} (step {step}) failed: {errors[0]}")
-    _fault(FaultPoint.RETURNING, rank, step)
+    crash_point(FaultPoint.RETURNING, rank, step)
     return os.path.join(root, f"step-{step:08d}")
 
 
