@@ -23,7 +23,7 @@ from hp_dtensor.checkpoint_layout import CheckpointError
 from hp_dtensor.platform import current
 
 
-def _backend() -> Any:
+def dcp_backend() -> Any:
     """The backend module, when it implements sharded checkpoints (an optional feature, outside
     the backend contract)."""
     plat = current()
@@ -35,34 +35,34 @@ def _backend() -> Any:
 def save(state_dict: dict[str, Any], checkpoint_id: Any) -> None:
     """Write ``state_dict`` (nested dicts of DTensors, tensors and Python values) as a DCP
     checkpoint; every rank calls it and writes its own shards, replicas once."""
-    _backend().dcp_save(state_dict, checkpoint_id)
+    dcp_backend().dcp_save(state_dict, checkpoint_id)
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True) -> None:
     """Load a DCP checkpoint in place into ``state_dict``, resharding to its DTensors' layouts.
     A missing key (under ``strict``), a different global shape or dtype raises ``CheckpointError``
     on every rank, naming the tensor."""
-    _backend().dcp_load(state_dict, checkpoint_id, strict=strict)
+    dcp_backend().dcp_load(state_dict, checkpoint_id, strict=strict)
 
 
 def get_model_state_dict(model: Any) -> dict[str, Any]:
     """The model's state dict, parameters as the model holds them (DTensors, no copies)."""
-    return _backend().get_model_state_dict(model)  # type: ignore[no-any-return]
+    return dcp_backend().get_model_state_dict(model)  # type: ignore[no-any-return]
 
 
 def set_model_state_dict(model: Any, state_dict: dict[str, Any], *, strict: bool = True) -> None:
     """Load ``state_dict`` into the model (entries loaded in place already are left alone)."""
-    _backend().set_model_state_dict(model, state_dict, strict=strict)
+    dcp_backend().set_model_state_dict(model, state_dict, strict=strict)
 
 
 def get_optimizer_state_dict(model: Any, optim: Any) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name (its tensors, no copies)."""
-    return _backend().get_optimizer_state_dict(model, optim)  # type: ignore[no-any-return]
+    return dcp_backend().get_optimizer_state_dict(model, optim)  # type: ignore[no-any-return]
 
 
 def set_optimizer_state_dict(model: Any, optim: Any, state_dict: dict[str, Any]) -> None:
     """Load a name-keyed optimizer state dict into ``optim``."""
-    _backend().set_optimizer_state_dict(model, optim, state_dict)
+    dcp_backend().set_optimizer_state_dict(model, optim, state_dict)
 
 
 __all__ = [

@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hp_dtensor.checkpoint import dcp_backend
 from hp_dtensor.checkpoint_faults import FAULT_ENV, FaultPoint, crash_point
 from hp_dtensor.checkpoint_layout import CheckpointError
 from hp_dtensor.checkpoint_manifest import (
@@ -44,16 +45,6 @@ from hp_dtensor.checkpoint_manifest import (
     verify_checkpoint,
     write_manifest,
 )
-from hp_dtensor.platform import current
-
-
-def _backend() -> Any:
-    """The backend module, when it implements sharded checkpoints (an optional feature, outside
-    the backend contract)."""
-    plat = current()
-    if not hasattr(plat, "dcp_write"):
-        raise NotImplementedError(f"sharded checkpoints are not implemented on the {plat.NAME} platform yet")
-    return plat
 
 
 def tensor_entries(state_dict: Mapping[str, Any], tensor_meta: Any) -> dict[str, TensorEntry]:
@@ -90,7 +81,7 @@ def save_checkpoint(
     complete checkpoints afterwards (and removes directories of crashed saves).  Returns the
     checkpoint's path on every rank; raises ``CheckpointError`` on every rank when it failed.
     ``group``: the platform's process group for its collectives (default: every rank's)."""
-    plat = _backend()
+    plat = dcp_backend()
     rank = plat.get_rank()
     if rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -158,7 +149,7 @@ def verify_sharded(path: str, state_dict: Mapping[str, Any] | None = None, *, st
     each, the checksums spread over the ranks, and (given ``state_dict``) every tensor's global
     shape and dtype.  Raises the same ``CheckpointError`` on every rank, naming the file or
     tensor; returns the manifest."""
-    plat = _backend()
+    plat = dcp_backend()
     rank, world = plat.get_rank(), plat.get_world_size()
     found: tuple[int, str] | None = None
     manifest: Manifest | None = None
@@ -198,7 +189,7 @@ def load_checkpoint(state_dict: dict[str, Any], path: str, *, strict: bool = Tru
     ``state_dict`` under this run's layout (each rank reads only its slices).  Returns the
     manifest (its ``extra`` holds what the saver passed)."""
     manifest = verify_sharded(path, state_dict, strict=strict)
-    _backend().dcp_load(state_dict, path, strict=strict)
+    dcp_backend().dcp_load(state_dict, path, strict=strict)
     return manifest
 
 
