@@ -20,6 +20,7 @@ from hp_dtensor.testing import fake_world
 class _Spec:
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
+        self.mesh = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Spec) and other.shape == self.shape
@@ -135,3 +136,25 @@ def test_torch_cache_gives_each_call_its_own_answer() -> None:
         assert cold[a] != cold[b], f"{a} and {b} should differ (the test would not catch a dropped key element)"
     for name, got in zip(names, warm_runs):
         assert got == cold[name], f"{name}: the warm cache gave {got}, a cold one {cold[name]}"
+
+
+def test_equal_meshes_from_different_roots_keep_their_own_mesh() -> None:
+    """mesh_a['tp'] and mesh_b['tp'] compare equal (same ranks, same name) but come from different
+    roots; an op's output must carry its own input's mesh object, not the one a cached decision
+    saw first (fully_shard reads a TP parameter's root mesh to combine it with the dp dims)."""
+    pytest.importorskip("torch")
+    import torch
+
+    from hp_dtensor import Shard, distribute_tensor, init_device_mesh
+
+    with fake_world(4, rank=0):
+        root_a = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        root_b = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        tp_a, tp_b = root_a["tp"], root_b["tp"]
+        assert tp_a == tp_b and tp_a.get_root_mesh() is not tp_b.get_root_mesh()
+        for op in (lambda t: t + 1, lambda t: t.view(4, 3), lambda t: t.detach()):
+            x = distribute_tensor(torch.zeros(4, 3), tp_a, [Shard(0)])
+            y = distribute_tensor(torch.zeros(4, 3), tp_b, [Shard(0)])
+            for _ in range(2):  # the second round runs from the warm cache
+                assert op(x).device_mesh.get_root_mesh() is root_a
+                assert op(y).device_mesh.get_root_mesh() is root_b

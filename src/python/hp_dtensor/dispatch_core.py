@@ -48,9 +48,11 @@ def call_key(
     decided afresh).  A key may still hold an unhashable value: look it up with
     ``DispatchCore.lookup``.
 
-    Every leaf adds two entries: a DTensor its spec and dtype (a dtype can change an output shape,
-    e.g. a view as another dtype), a plain tensor ``tensor_type`` and what ``tensor_key`` says,
-    anything else its class and value -- or only ``float`` for a float when ``value_free_floats``
+    Every leaf adds two entries, a DTensor three: its spec, its dtype (a dtype can change an output
+    shape, e.g. a view as another dtype) and the identity of its mesh object (meshes sliced from
+    different roots can compare equal, but a cached output spec holds the first call's mesh and
+    ``fully_shard`` reads a parameter's root mesh; the key holds the spec, so the id stays unique);
+    a plain tensor ``tensor_type`` and what ``tensor_key`` says, anything else its class and value -- or only ``float`` for a float when ``value_free_floats``
     (a pointwise rule never looks at a number's value, so an optimizer's changing step sizes
     share one decision).  A list or tuple adds its type and length before its items."""
     parts: list[Any] = [op]
@@ -60,6 +62,7 @@ def call_key(
         if c is dtensor_type:
             add(x._spec)
             add(x.dtype)
+            add(id(x._spec.mesh))
         elif c is int:
             add(int)
             add(x)
@@ -91,6 +94,7 @@ def _add_leaves(
         if c is dtensor_type:
             add(x._spec)
             add(x.dtype)
+            add(id(x._spec.mesh))
         elif c is int or c is bool or c is str or x is None:
             add(c)
             add(x)
@@ -104,6 +108,7 @@ def _add_leaves(
         elif isinstance(x, dtensor_type):
             add(x._spec)
             add(x.dtype)
+            add(id(x._spec.mesh))
         elif isinstance(x, tensor_type):
             add(tensor_type)
             add(tensor_key(x))
