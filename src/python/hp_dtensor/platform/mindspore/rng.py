@@ -90,15 +90,6 @@ class _MindSporeRNG:
         manual_seed(seed)
 
     @staticmethod
-    def gather_int(value: int, mesh: Any) -> list[int]:
-        from hp_dtensor.mesh_exchange import gather_over_mesh
-        from hp_dtensor.platform.mindspore import collectives as C
-
-        # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
-        rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, C.COLLECTIVES)
-        return [(int(hi) << 32) | int(lo) for hi, lo in rows]
-
-    @staticmethod
     def broadcast_rng_state(mesh: Any) -> bool:
         # The stream's seed is agreed at first use (rank 0 picks it); a rank's own generator
         # state never enters a DTensor draw, so nothing on this rank changes.
