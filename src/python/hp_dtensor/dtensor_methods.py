@@ -90,7 +90,6 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def from_local_checked(
     local_shape: Sequence[int],
     dtype: str,
-    is_floating: bool,
     mesh: DeviceMesh,
     placements: Sequence[Placement] | Placement | None,
     shape: Sequence[int] | None,
@@ -100,7 +99,7 @@ def from_local_checked(
     placements fit the mesh and the dtype, ``shape`` (uneven shards) fits this rank's shard, and
     ``stride``, when given, is the contiguous stride of the global shape."""
     spec = from_local_spec(local_shape, mesh, placements, shape, uneven=True)
-    check_partial_dtype(spec.placements, dtype, is_floating)
+    check_partial_dtype(spec.placements, dtype)
     if stride is not None and tuple(int(s) for s in stride) != contiguous_strides(spec.shape):
         raise ValueError(
             f"stride={tuple(stride)} is not the contiguous stride {contiguous_strides(spec.shape)} of "
@@ -113,7 +112,6 @@ def distribute_checked(
     is_dtensor: bool,
     global_shape: tuple[int, ...],
     dtype: str,
-    is_floating: bool,
     device_mesh: DeviceMesh | None,
     placements: Sequence[Placement] | Placement | None,
     src_data_rank: int | None,
@@ -124,7 +122,7 @@ def distribute_checked(
     if is_dtensor:
         raise ValueError("distribute_tensor got a DTensor; use .redistribute() to change its placements")
     pl = distribute_placements(global_shape, mesh, placements, uneven=True)
-    check_partial_dtype(pl, dtype, is_floating)
+    check_partial_dtype(pl, dtype)
     check_src_data_rank(src_data_rank, mesh)
     if mesh.get_coordinate() is None:
         raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")

@@ -131,10 +131,18 @@ def distribute_placements(
     return pl
 
 
-def check_partial_dtype(placements: Sequence[Placement], dtype: str, is_floating: bool) -> None:
+def is_floating_dtype(dtype: str) -> bool:
+    """Whether ``dtype``, named as its framework prints it (``torch.bfloat16``, ``Float32``,
+    ``torch.complex64``...), holds floating-point or complex values; both frameworks spell those
+    names with ``float`` / ``complex`` and no integer or bool dtype does."""
+    name = dtype.lower()
+    return "float" in name or "complex" in name
+
+
+def check_partial_dtype(placements: Sequence[Placement], dtype: str) -> None:
     """``Partial("avg")`` divides by the mesh size: refuse it on integer and bool tensors, where
     the division cannot be represented."""
-    if not is_floating and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements):
+    if not is_floating_dtype(dtype) and any(isinstance(p, Partial) and p.reduce_op == "avg" for p in placements):
         raise ValueError(
             f"Partial('avg') needs a floating-point tensor, got dtype {dtype}: the average of integer "
             f"partial values is not an integer; use Partial('sum') or convert the tensor to float first"

@@ -21,17 +21,14 @@ import warnings
 from typing import Protocol
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.platform import backend_primitives
+from hp_dtensor.mesh_exchange import gather_over_mesh
+from hp_dtensor.platform import backend_primitives, current
 
 
 class RNGPrimitives(Protocol):
-    """What a backend supplies: its default generator and two exchanges over a mesh."""
+    """What a backend supplies: its default generator and the broadcast of its state."""
 
     def set_seed(self, seed: int) -> None: ...
-
-    def gather_int(self, value: int, mesh: DeviceMesh) -> list[int]:
-        """``value`` of every rank of ``mesh``, in the mesh's row-major rank order."""
-        ...
 
     def broadcast_rng_state(self, mesh: DeviceMesh) -> bool:
         """Copy the generator state of the mesh's first rank to every rank of ``mesh``;
@@ -49,6 +46,14 @@ def _primitives() -> RNGPrimitives:
         "draw a plain tensor with the same seed on every rank and use DTensor.from_local",
     )
     return prims
+
+
+def _gather_seed(value: int, mesh: DeviceMesh) -> list[int]:
+    """``value`` of every rank of ``mesh``, in the mesh's row-major rank order.  Seeds range over
+    [-2**63, 2**64), wider than the int64 rows the collectives move: exchanged as two halves,
+    the high one signed."""
+    rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, current().COLLECTIVES)
+    return [(int(hi) << 32) | int(lo) for hi, lo in rows]
 
 
 def _ranks(mesh: DeviceMesh) -> tuple[int, ...]:
@@ -71,7 +76,7 @@ def manual_seed(seed: int, device_mesh: DeviceMesh) -> None:
             f"a mesh that contains every calling rank"
         )
     prims = _primitives()
-    seeds = prims.gather_int(seed, device_mesh)
+    seeds = _gather_seed(seed, device_mesh)
     if any(s != seeds[0] for s in seeds):
         detail = ", ".join(f"rank {r}: {s}" for r, s in zip(_ranks(device_mesh), seeds))
         raise ValueError(

@@ -257,7 +257,7 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         lshape = tuple(Tensor.shape.fget(local_tensor))
         if run_check:
             _check_local_metadata(local_tensor, lshape, mesh, placements, shape)
-        spec = from_local_checked(lshape, str(local_tensor.dtype), _is_floating(local_tensor.dtype), mesh, placements,
+        spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements,
                                   shape, stride)
         check_one_reduce_op(spec.placements)
         return DTensor(local_tensor, spec)
@@ -278,13 +278,9 @@ def _reflected(dt: DTensor, other: Any, forward: str, base: Any) -> Any:
     return getattr(lifted, forward)(dt)
 
 
-def _is_floating(dtype: Any) -> bool:
-    return bool(dtype.is_floating_point)
-
-
 def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
     check_one_reduce_op(placements)
-    check_partial_dtype(placements, str(dtype), _is_floating(dtype))
+    check_partial_dtype(placements, str(dtype))
 
 
 def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any,
@@ -323,7 +319,7 @@ def distribute_tensor(
     if not isinstance(tensor, Tensor):
         raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
     spec = distribute_checked(
-        isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype), _is_floating(tensor.dtype),
+        isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype),
         device_mesh, placements, src_data_rank,
     )
     check_one_reduce_op(spec.placements)

@@ -109,7 +109,7 @@ def destroy() -> None:
     if not _state["initialized"]:
         return
     if not _state["single"]:
-        C.barrier(world_group(), get_world_size())
+        C.COLLECTIVES.barrier(world_group(), get_world_size())
         from mindspore.communication import release
 
         release()

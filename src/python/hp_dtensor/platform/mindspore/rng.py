@@ -36,11 +36,12 @@ def _agreed_seed(mesh: Any) -> int:
         from hp_dtensor.platform.mindspore import collectives as C
         from hp_dtensor.platform.mindspore import process_group as PG
 
-        mine = np.frombuffer(os.urandom(8), np.int64).reshape(1, 1)
+        mine = int(np.frombuffer(os.urandom(8), np.int64)[0])
         n = PG.get_world_size()
         if n > 1:
-            mine = C.gather_int_table(mine, PG.world_group(), n, PG.get_rank())[:1]
-        _state["seed"] = int(mine[0, 0]) & 0xFFFF_FFFF_FFFF_FFFF
+            # The stream is job-wide (not per mesh), so world rank 0's pick is everyone's seed.
+            mine = C.COLLECTIVES.gather_int_rows([[mine]], PG.world_group(), n, PG.get_rank())[0][0]
+        _state["seed"] = int(mine) & 0xFFFF_FFFF_FFFF_FFFF
     return int(_state["seed"])
 
 
@@ -88,15 +89,6 @@ class _MindSporeRNG:
     @staticmethod
     def set_seed(seed: int) -> None:
         manual_seed(seed)
-
-    @staticmethod
-    def gather_int(value: int, mesh: Any) -> list[int]:
-        from hp_dtensor.mesh_exchange import gather_over_mesh
-        from hp_dtensor.platform.mindspore import collectives as C
-
-        # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
-        rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, C.COLLECTIVES)
-        return [(int(hi) << 32) | int(lo) for hi, lo in rows]
 
     @staticmethod
     def broadcast_rng_state(mesh: Any) -> bool:

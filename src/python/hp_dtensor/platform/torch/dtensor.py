@@ -117,7 +117,7 @@ class DTensor(DTensorMethods, torch.Tensor):
         return ToLocal.apply(self, gp)  # type: ignore[no-any-return]
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        check_partial_dtype(placements, str(self.dtype), _is_floating(self.dtype))
+        check_partial_dtype(placements, str(self.dtype))
 
     def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         return Redistribute.apply(self, self._spec.mesh, dst)  # type: ignore[no-any-return]
@@ -155,10 +155,6 @@ class DTensor(DTensorMethods, torch.Tensor):
         return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
 
 
-def _is_floating(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
-
-
 def _from_local_spec(
     local: torch.Tensor,
     mesh: DeviceMesh,
@@ -166,7 +162,7 @@ def _from_local_spec(
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
 ) -> DTensorSpec:
-    return from_local_checked(local.shape, str(local.dtype), _is_floating(local.dtype), mesh, placements, shape, stride)
+    return from_local_checked(local.shape, str(local.dtype), mesh, placements, shape, stride)
 
 
 def _checksum(t: torch.Tensor) -> tuple[int, int]:
@@ -216,7 +212,7 @@ def distribute_tensor(
     broadcast, so other ranks may pass anything of the right shape.  ``None``: every rank slices
     its own copy, no collective.  A meta tensor never communicates."""
     spec = distribute_checked(
-        isinstance(tensor, DTensor), tuple(tensor.shape), str(tensor.dtype), _is_floating(tensor.dtype),
+        isinstance(tensor, DTensor), tuple(tensor.shape), str(tensor.dtype),
         device_mesh, placements, src_data_rank,
     )
     with torch.no_grad():

@@ -206,10 +206,7 @@ class _TorchFSDP:
         """Start (or run) the all_gather of every rank's ``flat`` into one ``n * len`` buffer."""
         if n == 1:
             return _Pending(None, flat)
-        out = flat.new_empty((n * flat.numel(),))
-        collectives.record("all_gather", out.numel() * out.element_size(), n)
-        work = torch.distributed.all_gather_single(out, flat, group=group, async_op=async_op)
-        return _Pending(work if async_op else None, out)
+        return _Pending(*collectives.all_gather_flat_start(flat, group, n, async_op=async_op))
 
     @staticmethod
     def reduce_scatter_start(flat: torch.Tensor, group: Any, n: int) -> _Pending:
@@ -217,10 +214,7 @@ class _TorchFSDP:
         returns this rank's part."""
         if n == 1:
             return _Pending(None, flat)
-        out = flat.new_empty((flat.numel() // n,))
-        collectives.record("reduce_scatter", flat.numel() * flat.element_size(), n)
-        work = torch.distributed.reduce_scatter_single(out, flat, group=group, async_op=True)
-        return _Pending(work, out)
+        return _Pending(*collectives.reduce_scatter_flat_start(flat, group, n))
 
     @staticmethod
     def all_reduce_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:

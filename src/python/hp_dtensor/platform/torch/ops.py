@@ -13,6 +13,7 @@ import torch
 from hp_dtensor.placement_types import Partial, Replicate, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
+from hp_dtensor.redistribute_exec import reduce_over
 from hp_dtensor.shard_geometry import local_offset, local_shape
 from hp_dtensor.sharding.attention import sdpa_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule, vocab_start
@@ -411,9 +412,9 @@ def _vector_norm(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, ord:
         s = (x != 0).sum(dim=tuple(sorted(red)), keepdim=keepdim).to(dtype or x.dtype)
     else:
         s = func(x, ord, dim, keepdim, dtype=dtype).pow(p)
-    for k, q in enumerate(pl):
-        if isinstance(q, Shard) and q.dim in red:
-            s = C.all_reduce(s, "sum", mesh.get_group(k), mesh.shape[k])
+    sharded = tuple(k for k, q in enumerate(pl) if isinstance(q, Shard) and q.dim in red)
+    if sharded:
+        s = reduce_over(s, mesh, sharded, "sum", C.COLLECTIVES)
     return s if p == 0 else s.pow(1.0 / p)
 
 
@@ -464,9 +465,7 @@ def _global_compare(call: OpCall) -> Decision:
 @kernel("all_ranks_agree")
 def _all_ranks_agree(mesh: Any, decision: Decision, func: Any, *args: Any, **kwargs: Any) -> bool:
     flag = torch.tensor([1 if func(*args, **kwargs) else 0], dtype=torch.int32)
-    for k in range(mesh.ndim):
-        flag = C.all_reduce(flag, "min", mesh.get_group(k), mesh.shape[k])
-    return bool(flag.item())
+    return bool(reduce_over(flag, mesh, tuple(range(mesh.ndim)), "min", C.COLLECTIVES).item())
 
 
 @kernel("constant_false")

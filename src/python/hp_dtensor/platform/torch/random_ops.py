@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.mesh_exchange import gather_over_mesh
 from hp_dtensor.placement_types import Placement, Replicate, partials_replicated
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
@@ -122,17 +121,11 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 class _TorchRNG:
-    """The ``RNGPrimitives`` of torch: the CPU default generator, exchanges over gloo/nccl."""
+    """The ``RNGPrimitives`` of torch: the CPU default generator, its state broadcast over gloo/nccl."""
 
     @staticmethod
     def set_seed(seed: int) -> None:
         torch.manual_seed(seed)
-
-    @staticmethod
-    def gather_int(value: int, mesh: DeviceMesh) -> list[int]:
-        # Python ints up to 2**64 do not fit int64: exchange them as two 32-bit halves.
-        rows = gather_over_mesh([[value >> 32, value & 0xFFFFFFFF]], mesh, C.COLLECTIVES)
-        return [(hi << 32) | lo for hi, lo in rows]
 
     @staticmethod
     def broadcast_rng_state(mesh: DeviceMesh) -> bool:
