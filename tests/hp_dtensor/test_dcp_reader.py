@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -72,12 +73,12 @@ def test_reader_loads_what_torch_reader_loads(tmp_path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     rng = random.Random(7)
-    state = {f"t{i}": _tensor(rng).contiguous() for i in range(40)}
+    state: dict[str, Any] = {f"t{i}": _tensor(rng).contiguous() for i in range(40)}
     state["nested"] = {"step": torch.tensor(3.0), "blob": [1, "two"]}
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
 
-    def empty() -> dict:
-        out = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    def empty() -> dict[str, Any]:
+        out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
         out["nested"] = {"step": torch.tensor(0.0), "blob": None}
         return out
 

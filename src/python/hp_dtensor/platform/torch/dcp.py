@@ -242,12 +242,12 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with open(path, mode) as raw:
-            stream = _HashingStream(raw)
+            hashing = _HashingStream(raw)
             try:
-                yield stream
+                yield hashing
             finally:
-                stream.close()
-        self.digests[os.path.basename(os.fspath(path))] = (stream.nbytes, stream.hexdigest())
+                hashing.close()
+        self.digests[os.path.basename(os.fspath(path))] = (hashing.nbytes, hashing.hexdigest())
 
 
 class _RecordingWriter(FileSystemWriter):
@@ -256,20 +256,21 @@ class _RecordingWriter(FileSystemWriter):
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.fs = _HashingFileSystem()
+        self._hashing = _HashingFileSystem()
+        self.fs = self._hashing
         self.written: dict[str, tuple[int, str]] = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut = super().write_data(plan, planner)
         for result in fut.value():
             name = result.storage_data.relative_path
-            self.written[name] = self.fs.digests[name]
+            self.written[name] = self._hashing.digests[name]
         return fut
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         # the coordinator's index of every rank's items, written as a temporary file and renamed
-        self.written[".metadata"] = self.fs.digests[".metadata.tmp"]
+        self.written[".metadata"] = self._hashing.digests[".metadata.tmp"]
 
 
 def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> dict[str, tuple[int, str]]:

@@ -97,9 +97,9 @@ class _Decoder:
             record=record,
             dtype=tensor.dtype,
             nbytes=tensor.untyped_storage().nbytes(),
-            offset=tensor.storage_offset(),
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
+            offset=int(tensor.storage_offset()),
+            size=tuple(int(n) for n in tensor.shape),
+            stride=tuple(int(n) for n in tensor.stride()),
         )
 
 
