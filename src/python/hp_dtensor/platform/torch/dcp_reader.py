@@ -6,11 +6,12 @@ Python file view) per item: with a few hundred items per rank that, not the byte
 load.  The archives of one checkpoint repeat few pickles: items of the same dtype, shape and
 strides pickle to the same bytes and differ only in their storage record.  So this reader
 
-- reads each item's bytes with one ``read`` (items in file order), and
+- reads each item's bytes with one ``readinto`` (items in file order), and
 - runs the real ``torch.load(weights_only=True)`` on the first item of each distinct pickle,
   remembering the tensor it describes (storage record, dtype, storage size, offset, size,
   strides); an item whose pickle and byte order are byte-for-byte the same is rebuilt from its
-  own storage record with that description, which is exactly what the unpickler would build.
+  own storage record with that description, which is exactly what the unpickler would build
+  (a view of the bytes read, which DCP then copies into the target: one copy, not two).
 
 Anything unusual (more than one storage record, a foreign byte order, stream transforms) goes
 through ``torch.load`` as before.  The files stay DCP's standard format.
@@ -53,7 +54,7 @@ class _Decoder:
         self.unpickled = 0  # items decoded by torch.load
         self.rebuilt = 0  # items rebuilt from a remembered layout
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes | bytearray) -> torch.Tensor:
         reader = torch._C.PyTorchFileReader(io.BytesIO(data))
         records = reader.get_all_records()
         pickles = [r for r in records if r == _PICKLE or r.endswith("/" + _PICKLE)]
@@ -73,12 +74,20 @@ class _Decoder:
         layout = self._layouts[key]
         if layout is None or layout.record != storages[0]:
             return self._full_load(data)
+        name = prefix + layout.record
+        if reader.get_record_size(name) != layout.nbytes:
+            return self._full_load(data)
         self.rebuilt += 1
-        storage = reader.get_storage_from_record(prefix + layout.record, layout.nbytes, torch.uint8)
+        start = int(reader.get_record_offset(name))  # type: ignore[attr-defined]  # exists, not in torch's stubs
+        if isinstance(data, bytearray) and layout.nbytes and start % layout.dtype.itemsize == 0:
+            # a view of the bytes just read (the caller copies it into its target): no copy here
+            flat = torch.frombuffer(data, dtype=torch.uint8, count=layout.nbytes, offset=start)
+            return flat.view(layout.dtype).as_strided(layout.size, layout.stride, layout.offset)
+        storage = reader.get_storage_from_record(name, layout.nbytes, torch.uint8)
         untyped = storage._typed_storage()._untyped_storage
         return torch.empty((0,), dtype=layout.dtype).set_(untyped, layout.offset, layout.size, layout.stride)
 
-    def _full_load(self, data: bytes) -> torch.Tensor:
+    def _full_load(self, data: bytes | bytearray) -> torch.Tensor:
         self.unpickled += 1
         out = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         if not isinstance(out, torch.Tensor):
@@ -119,11 +128,12 @@ class FastFileSystemReader(FileSystemReader):
                 for req in reqs:
                     info = self.storage_data[req.storage_index]
                     stream.seek(info.offset)
-                    data = stream.read(info.length)
-                    if len(data) != info.length:
+                    data = bytearray(info.length)
+                    got = stream.readinto(data)  # type: ignore[attr-defined]  # a binary file opened "rb"
+                    if got != info.length:
                         raise OSError(
                             f"{relative_path}: item {req.storage_index.fqn!r} needs {info.length} bytes at "
-                            f"offset {info.offset}, the file ends after {len(data)}"
+                            f"offset {info.offset}, the file ends after {got}"
                         )
                     self._deliver(req, data, planner, decode)
         fut: Future[None] = Future()
@@ -131,7 +141,7 @@ class FastFileSystemReader(FileSystemReader):
         return fut
 
     @staticmethod
-    def _deliver(req: ReadItem, data: bytes, planner: LoadPlanner, decode: Any) -> None:
+    def _deliver(req: ReadItem, data: bytearray, planner: LoadPlanner, decode: Any) -> None:
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(data))
             return
