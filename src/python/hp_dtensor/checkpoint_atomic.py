@@ -4,8 +4,7 @@
 
 1. rank 0 draws the staging directory's name and shares it; every rank writes its own shards
    there through ``torch.distributed.checkpoint`` (fsynced);
-2. every rank fsyncs the files it wrote (their sha256 taken from the bytes as they were
-   written, so nothing is read back); the checksums reach rank 0, which writes
+2. every rank checksums the files it wrote; the checksums reach rank 0, which writes
    ``manifest.json`` (every file's size and sha256, every tensor's global shape and dtype, and
    the caller's ``extra``) last, renames the directory to ``<root>/step-<N>`` and prunes to the
    newest ``keep``; the outcome reaches every rank.
@@ -38,12 +37,12 @@ from hp_dtensor.checkpoint_manifest import (
     TensorEntry,
     check_tensors,
     commit,
+    file_entries,
     file_entry,
     new_nonce,
     newest_complete,
     prune,
     staging_dir,
-    synced_entries,
     verify_checkpoint,
     write_manifest,
 )
@@ -122,7 +121,7 @@ def save_checkpoint(
     _fault(FaultPoint.FILES_WRITTEN, rank, step)
     error: str | None = None
     try:
-        mine = synced_entries(stage, written)
+        mine = file_entries(stage, written)
     except OSError as e:
         mine, error = {}, f"checkpoint save to {stage}: rank {rank} cannot checksum its files: {e}"
     gathered = plat.all_gather_object((mine, error), group=group)

@@ -146,21 +146,6 @@ def file_entries(directory: str, relpaths: Iterable[str], *, fsync: bool = True)
     return out
 
 
-def synced_entries(directory: str, hashed: Mapping[str, tuple[int, str]]) -> dict[str, FileEntry]:
-    """``FileEntry`` of each file under ``directory`` from ``relpath -> (bytes, sha256)`` computed
-    while the file was written (so it is not read back), after fsyncing it and checking that its
-    size on disk is the hashed size; raises ``OSError`` naming the file otherwise."""
-    out = {}
-    for rel, (n, sha) in hashed.items():
-        path = os.path.join(directory, _checked_relpath(rel, directory))
-        fsync_file(path)
-        size = os.path.getsize(path)
-        if size != n:
-            raise OSError(f"{path} holds {size} bytes, but {n} were written and hashed")
-        out[rel] = FileEntry(bytes=n, sha256=sha)
-    return out
-
-
 def _checked_relpath(rel: str, where: str) -> str:
     """A manifest path must stay inside the checkpoint directory."""
     norm = os.path.normpath(rel)
@@ -435,5 +420,5 @@ __all__ = [
     "FORMAT", "MANIFEST_NAME", "VERSION", "CheckpointError", "CheckpointKind", "FileEntry", "Framework",
     "Manifest", "TensorEntry", "check_tensor", "check_tensors", "commit", "complete_checkpoints",
     "file_entries", "file_entry", "fsync_dir", "fsync_file", "new_nonce", "newest_complete", "prune",
-    "read_manifest", "staging_dir", "step_name", "synced_entries", "verify_checkpoint", "write_manifest",
+    "read_manifest", "staging_dir", "step_name", "verify_checkpoint", "write_manifest",
 ]

@@ -11,9 +11,6 @@ dtype check (DCP would cast silently), and one error naming the tensor raised on
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
-import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -175,115 +172,36 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
         raise _reraise(e, "checkpoint load from", checkpoint_id) from None
 
 
-class _HashingStream:
-    """A file opened for writing that hashes (sha256) every byte as it is written, so a save
-    need not read its files back to checksum them.  Writes must be sequential: ``seek`` is
-    refused, and the byte count is checked against the file's position on close."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self._sha = hashlib.sha256()
-        self.nbytes = 0
-
-    def write(self, data: Any) -> int:
-        n = self._raw.write(data)
-        view = memoryview(data).cast("B")
-        if n is not None and n != view.nbytes:
-            raise OSError(f"short write to {self._raw.name}: {n} of {view.nbytes} bytes")
-        self._sha.update(view)
-        self.nbytes += view.nbytes
-        return view.nbytes
-
-    def tell(self) -> int:
-        return int(self._raw.tell())
-
-    def seek(self, *args: Any) -> int:
-        raise io.UnsupportedOperation("a checkpoint file is hashed as it is written: it cannot seek")
-
-    def seekable(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return int(self._raw.fileno())
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def close(self) -> None:
-        if not self._raw.closed:
-            end = self._raw.tell()
-            self._raw.close()
-            if end != self.nbytes:
-                raise OSError(f"{self._raw.name}: {end} bytes written but {self.nbytes} hashed")
-
-    @property
-    def closed(self) -> bool:
-        return bool(self._raw.closed)
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, whose write streams hash what they write (``digests``: file
-    name -> (bytes, sha256 hex), filled as each stream closes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.digests: dict[str, tuple[int, str]] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, mode) as raw:
-            hashing = _HashingStream(raw)
-            try:
-                yield hashing
-            finally:
-                hashing.close()
-        self.digests[os.path.basename(os.fspath(path))] = (hashing.nbytes, hashing.hexdigest())
-
-
 class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer (one file per rank, fsynced), remembering the files this rank wrote with
-    the size and sha256 of the bytes written, for the checkpoint manifest."""
+    """DCP's file writer (one file per rank, fsynced), remembering the files this rank wrote, so
+    that each rank can checksum its own files for the checkpoint manifest."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self._hashing = _HashingFileSystem()
-        self.fs = self._hashing
-        self.written: dict[str, tuple[int, str]] = {}
+        self.written: set[str] = set()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut = super().write_data(plan, planner)
         for result in fut.value():
-            name = result.storage_data.relative_path
-            self.written[name] = self._hashing.digests[name]
+            self.written.add(result.storage_data.relative_path)
         return fut
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
-        # the coordinator's index of every rank's items, written as a temporary file and renamed
-        self.written[".metadata"] = self._hashing.digests[".metadata.tmp"]
+        self.written.add(".metadata")  # the coordinator's index of every rank's items
 
 
-def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> dict[str, tuple[int, str]]:
+def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list[str]:
     """``save`` into ``directory`` (DCP's collectives on ``group``, default the world); returns
-    the files (paths relative to it) this rank wrote, each fsynced, with the size and sha256 of
-    the bytes written, once every rank has finished (DCP's closing collective)."""
+    the paths (relative to it) of the files this rank wrote, each fsynced, once every rank has
+    finished (DCP's closing collective)."""
     writer = _RecordingWriter(directory)
     try:
         with _one_process_is_intended():
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
         raise _reraise(e, "checkpoint save to", directory) from None
-    return dict(sorted(writer.written.items()))
+    return sorted(writer.written)
 
 
 def tensor_meta(value: Any) -> tuple[tuple[int, ...], str] | None:
