@@ -23,7 +23,7 @@ from typing import Any
 
 from hp_dtensor.testing import RankPool
 
-REPEATS = 3
+REPEATS = 5
 SIZES = {"tiny (4 layers, vocab 1k)": {}, "wider (8 layers, vocab 16k)": {"num_hidden_layers": 8, "vocab_size": 16384}}
 
 

@@ -40,6 +40,7 @@ from torch.futures import Future
 
 from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, check_no_partial, shard_box, writes_box
 from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.platform.torch.dcp_reader import FastFileSystemReader
 
 
 def _box(spec: DTensorSpec) -> ShardBox | None:
@@ -163,6 +164,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
             dcp.load(
                 state_dict,
                 checkpoint_id=checkpoint_id,
+                storage_reader=FastFileSystemReader(checkpoint_id),
                 planner=CheckedLoadPlanner(allow_partial_load=not strict),
                 no_dist=not dist.is_initialized(),
             )
