@@ -11,11 +11,12 @@ from hp_dtensor.platform.torch.checkpoint_state import (
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    stage_to_cpu,
 )
 from hp_dtensor.platform.torch.collectives import COLLECTIVES
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
-from hp_dtensor.platform.torch.dcp import stage_to_cpu, tensor_meta
+from hp_dtensor.platform.torch.dcp import tensor_meta
 from hp_dtensor.platform.torch.dcp import write as dcp_write
 from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor

@@ -8,6 +8,7 @@ and holding the DTensors themselves (no copies, no gathers), the dicts below can
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -149,3 +150,24 @@ def set_optimizer_state_dict(
         i += len(own_names)
     state = {index[fqn]: v for fqn, v in state_dict.get("state", {}).items()}
     optim.load_state_dict({"state": state, "param_groups": new_groups})
+
+
+def stage_to_cpu(state_dict: Any) -> Any:
+    """A copy of a nested state dict whose tensors no later update can reach: DTensors become
+    DTensors of the same layout over cloned CPU shards, tensors CPU clones, other values deep
+    copies.  What an asynchronous save writes while training goes on."""
+    from hp_dtensor.platform.torch.dtensor import DTensor
+
+    def one(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = value._local_tensor.detach().to("cpu", copy=True)
+            return DTensor.from_local(local, value.device_mesh, value.placements, shape=tuple(value.shape))
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        if isinstance(value, dict):
+            return {k: one(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [one(v) for v in value]
+        return copy.deepcopy(value)
+
+    return one(state_dict)
