@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tp_mlp import build_swiglu
+
 from hp_dtensor.testing import RankPool
 
 REPEATS = 7
@@ -32,22 +34,6 @@ def _time_us(fn: Callable[[], Any], iters: int) -> float:
             fn()
         samples.append((time.perf_counter() - t0) / iters * 1e6)
     return statistics.median(samples)
-
-
-def _mlp(hidden: int, ffn: int) -> Any:
-    from torch import nn
-
-    class SwiGLU(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-            self.up_proj = nn.Linear(hidden, ffn, bias=False)
-            self.down_proj = nn.Linear(ffn, hidden, bias=False)
-
-        def forward(self, x: Any) -> Any:
-            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    return SwiGLU()
 
 
 def _settle(out: Any) -> Any:
@@ -86,7 +72,7 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
     w = torch.randn(256, 256)
     act = torch.randn(8, 16, 256)
 
-    block = _mlp(256, 512)
+    block = build_swiglu(256, 512)
     block_in = torch.randn(4, 8, 256)
 
     def make(lib: str) -> dict[str, Callable[[], Any]]:

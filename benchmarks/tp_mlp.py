@@ -19,7 +19,8 @@ SIZES = [(1024, 4096, 512), (256, 1024, 32)]  # hidden, ffn, tokens
 REPEATS = 9
 
 
-def _build(hidden: int, ffn: int) -> Any:
+def build_swiglu(hidden: int, ffn: int) -> Any:
+    """The Qwen-style SwiGLU MLP both TP benchmarks time (gate/up Colwise, down Rowwise)."""
     from torch import nn
 
     class SwiGLU(nn.Module):
@@ -87,7 +88,7 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float, float]]:
     rows = []
     for hidden, ffn, tokens in SIZES:
         torch.manual_seed(0)
-        ref = _build(hidden, ffn)
+        ref = build_swiglu(hidden, ffn)
         ours = parallelize_module(copy.deepcopy(ref), mesh, {
             "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
         theirs = tparallelize(copy.deepcopy(ref), tmesh, {
