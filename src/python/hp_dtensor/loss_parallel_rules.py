@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hp_dtensor.placement_types import Placement, Shard
+from hp_dtensor.placement_types import Placement, Replicate, Shard
 
 
 class Reduction(enum.Enum):
@@ -32,6 +32,8 @@ class CrossEntropyCall:
 
     class_dim: int
     num_classes: int
+    #: The mesh dim whose ranks hold the vocab slices (every other mesh dim replicates).
+    vocab_mesh_dim: int
     target_kind: TargetKind
     reduction: Reduction
     label_smoothing: float
@@ -75,22 +77,20 @@ def check_cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
     cdim = class_dim_of(ndim)
-    if len(placements) != 1:
-        raise ValueError(
-            f"loss_parallel supports logits on a 1-D mesh, got placements {tuple(placements)}; "
-            f"compute the loss on the tensor-parallel mesh dim only"
-        )
-    placement = placements[0]
-    if not (isinstance(placement, Shard) and placement.dim % ndim == cdim):
+    shard_dims = [k for k, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim == cdim]
+    others = [p for k, p in enumerate(placements) if k not in shard_dims]
+    if len(shard_dims) != 1 or not all(isinstance(p, Replicate) for p in others):
         hint = ""
-        if ndim >= 3 and isinstance(placement, Shard) and placement.dim % ndim == ndim - 1:
+        last = [p for p in placements if isinstance(p, Shard) and p.dim % ndim == ndim - 1]
+        if ndim >= 3 and last:
             hint = (
                 "; cross_entropy reads classes from dim 1, so for (batch, seq, vocab) logits pass "
                 "logits.flatten(0, -2) with target.flatten(), or logits.movedim(-1, 1)"
             )
         raise ValueError(
             f"loss_parallel: cross_entropy needs logits sharded on the class dim (dim {cdim} of shape "
-            f"{tuple(input_shape)}), got placement {placement!r}{hint}"
+            f"{tuple(input_shape)}) on one mesh dim and replicated on the others, got placements "
+            f"{tuple(placements)}{hint}"
         )
     num_classes = int(input_shape[cdim])
     batch = tuple(int(n) for i, n in enumerate(input_shape) if i != cdim)
@@ -117,7 +117,7 @@ def check_cross_entropy(
             f"weight tensor should be defined either for all {num_classes} classes or no classes but got "
             f"weight tensor of shape: {list(weight_shape)}"
         )
-    return CrossEntropyCall(cdim, num_classes, kind, red, float(label_smoothing))
+    return CrossEntropyCall(cdim, num_classes, shard_dims[0], kind, red, float(label_smoothing))
 
 
 def check_target_range(bad_target: int | None) -> None:

@@ -1,13 +1,9 @@
-"""Vocab-parallel cross entropy: the kernels behind ``hp_tp.loss_parallel``.
+"""Vocab-parallel cross entropy on torch: the kernels behind ``hp_tp.loss_parallel``.
 
 ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) on logits sharded over the class dim is caught
-whole by a torch-function mode and computed like a hand-written vocab-parallel loss: one
-all_reduce of the row max, one all_reduce of the row sums (sum of exp, the target's logit, the
-label-smoothing sum) stacked together, and a backward that is purely local (the softmax gradient
-is folded into the loss gradient).  Its whole argument surface is supported: any ``(N, C, d1,
-...)`` or ``(C,)`` input, class-index or class-probability targets, ``weight``, ``ignore_index``,
-``label_smoothing``, every ``reduction``; arguments are checked on every rank before any
-collective (``hp_dtensor.loss_parallel_rules``).
+whole by a torch-function mode and computed by the framework-neutral kernel
+(``hp_dtensor.loss_parallel_kernel``: two all_reduces forward, a local backward); this module
+supplies its torch primitives and autograd function.
 
 Separate ``log_softmax`` + ``nll_loss`` calls go through four aten kernels instead:
 ``_log_softmax`` (all_reduce of the row max and of the row sum of exp), ``nll_loss_forward``
@@ -26,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from hp_dtensor import loss_parallel_kernel as kernel
 from hp_dtensor import loss_parallel_rules as rules
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.placement_types import ReduceOp, Replicate, Shard
@@ -67,131 +64,111 @@ def _cross_entropy(input: DTensor, target: Any, weight: Any = None, size_average
                    label_smoothing: float = 0.0) -> DTensor:
     if size_average is not None or reduce is not None:
         reduction = rules.legacy_reduction(size_average, reduce)
-    mesh = input.device_mesh
-    tgt = _replicated_local(target)
-    w = _replicated_local(weight) if weight is not None else None
-    call = rules.check_cross_entropy(
-        tuple(input.shape), tuple(input.placements), tuple(tgt.shape), tgt.is_floating_point(),
-        None if w is None else tuple(w.shape), reduction, label_smoothing,
+    return kernel.cross_entropy(  # type: ignore[no-any-return]
+        _MATH, C.COLLECTIVES, _function, input, target, weight, ignore_index, reduction, label_smoothing
     )
-    if (w is not None and w.requires_grad) or (tgt.is_floating_point() and tgt.requires_grad):
-        raise NotImplementedError(
-            "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
-        )
-    n_local = input._local_tensor.shape[call.class_dim]
-    start = mesh.get_local_rank(0) * -(-call.num_classes // mesh.size(0))
-    if call.target_kind is rules.TargetKind.CLASS_INDEX:
-        # Targets are whole on every rank, so this check gives the same answer everywhere.
-        bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= call.num_classes))
-        rules.check_target_range(int(tgt[bad].flatten()[0]) if bool(bad.any()) else None)
-    else:
-        tgt = tgt.narrow(call.class_dim, start, n_local)
-    local = input.to_local()
-    loss = _VocabParallelCrossEntropy.apply(
-        local, tgt, w, call, ignore_index, start, mesh
-    )
-    return DTensor.from_local(loss, mesh, [Replicate()], run_check=False)
 
 
-def _replicated_local(t: Any) -> torch.Tensor:
-    if isinstance(t, DTensor):
-        return t.full_tensor() if any(not p.is_replicate() for p in t.placements) else t._local_tensor
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"loss_parallel: cross_entropy expects tensor target/weight, got {type(t).__name__}")
-    return t
+class _TorchLossMath:
+    """``LossMath`` on torch tensors."""
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def is_floating(self, t: torch.Tensor) -> bool:
+        return t.is_floating_point()
+
+    def requires_grad(self, t: torch.Tensor) -> bool:
+        return t.requires_grad
+
+    def shape(self, t: torch.Tensor) -> tuple[int, ...]:
+        return tuple(t.shape)
+
+    def detach(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach()
+
+    def cast(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.to(like.dtype)
+
+    def amax(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if t.shape[dim] == 0:
+            shape = list(t.shape)
+            shape[dim] = 1
+            return t.new_full(shape, float("-inf"))
+        return t.amax(dim, keepdim=True)
+
+    def sum(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.sum(dim, keepdim=True)
+
+    def total(self, t: torch.Tensor) -> torch.Tensor:
+        return t.sum()
+
+    def exp(self, t: torch.Tensor) -> torch.Tensor:
+        return t.exp()
+
+    def log(self, t: torch.Tensor) -> torch.Tensor:
+        return t.log()
+
+    def logical_and(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a & b
+
+    def logical_or(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a | b
+
+    def where(self, cond: torch.Tensor, t: torch.Tensor, other: float) -> torch.Tensor:
+        return t.masked_fill(~cond, other)
+
+    def clamp(self, t: torch.Tensor, low: int, high: int) -> torch.Tensor:
+        return t.clamp(low, high)
+
+    def cat(self, ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        return torch.cat(ts, dim)
+
+    def unbind(self, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        return t.unbind(dim)
+
+    def unsqueeze(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.unsqueeze(dim)
+
+    def reshape(self, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return t.reshape(shape)
+
+    def narrow(self, t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        return t.narrow(dim, start, length)
+
+    def gather(self, t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return t.gather(dim, index)
+
+    def scatter_add(self, t: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return t.scatter_add(dim, index, src)
+
+    def take(self, t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return t[index]
+
+    def first_value(self, t: torch.Tensor, mask: torch.Tensor) -> int | None:
+        return int(t[mask].flatten()[0]) if bool(mask.any()) else None
 
 
-def _class_view(t: torch.Tensor, cdim: int, ndim: int) -> torch.Tensor:
-    """``t`` of shape (C_local,) shaped to broadcast along the class dim of an ``ndim``-D input."""
-    shape = [1] * ndim
-    shape[cdim] = t.shape[0]
-    return t.reshape(shape)
+_MATH = _TorchLossMath()
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Loss on the local class slice; collectives in forward only."""
+    """The kernel's forward and backward as an autograd function of the local logits."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
-                call: rules.CrossEntropyCall, ignore_index: int, start: int, mesh: DeviceMesh) -> torch.Tensor:
-        cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
-        n_local = x.shape[cdim]
-        w_local = None if weight is None else _class_view(weight.narrow(0, start, n_local).to(x.dtype), cdim, x.ndim)
-        row_max = _reduce(x.detach().amax(cdim, keepdim=True), "max", mesh)
-        shifted = x.detach() - row_max
-        exp = shifted.exp()
-        if call.target_kind is rules.TargetKind.CLASS_INDEX:
-            valid = target != ignore_index
-            t = (target - start).unsqueeze(cdim)
-            owned = valid.unsqueeze(cdim) & (t >= 0) & (t < n_local)
-            picked = shifted.gather(cdim, t.clamp(0, n_local - 1)) * owned
-            smooth = (shifted if w_local is None else shifted * w_local).sum(cdim, keepdim=True)
-            sums = _reduce(torch.cat([exp.sum(cdim, keepdim=True), picked, smooth], cdim), "sum", mesh)
-            sum_exp, picked, smooth = sums.unbind(cdim)
-            lse = sum_exp.log()
-            w_total: float | torch.Tensor
-            if weight is None:
-                w_t, w_total = valid.to(x.dtype), float(nc)
-            else:
-                w_t = weight.to(x.dtype)[target.masked_fill(~valid, 0)] * valid
-                w_total = weight.to(x.dtype).sum()
-            nll = -(picked - lse) * w_t
-            smooth_loss = -(smooth - lse * w_total) * valid
-            per = (1 - eps) * nll + (eps / nc) * smooth_loss
-            denom = w_t.sum()
-        else:
-            y = target.to(x.dtype) * (1 - eps) + eps / nc
-            wy = y if w_local is None else y * w_local
-            sums = _reduce(
-                torch.cat([exp.sum(cdim, keepdim=True), (wy * shifted).sum(cdim, keepdim=True),
-                           wy.sum(cdim, keepdim=True)], cdim), "sum", mesh)
-            sum_exp, wy_x, wy_sum = sums.unbind(cdim)
-            lse = sum_exp.log()
-            per = -(wy_x - lse * wy_sum)
-            denom = torch.tensor(float(per.numel()), dtype=x.dtype)
-        if call.reduction is rules.Reduction.NONE:
-            out = per
-        elif call.reduction is rules.Reduction.SUM:
-            out = per.sum()
-        else:
-            out = per.sum() / denom
-        ctx.call, ctx.ignore_index, ctx.start, ctx.w_total = call, ignore_index, start, w_total if (
-            call.target_kind is rules.TargetKind.CLASS_INDEX) else None
-        if call.target_kind is rules.TargetKind.CLASS_INDEX:
-            ctx.save_for_backward(shifted, lse, target, w_t, w_local, denom)
-        else:
-            ctx.save_for_backward(shifted, lse, wy, wy_sum, denom)
+    def forward(ctx: Any, x: torch.Tensor, target: torch.Tensor, weight: Any,  # type: ignore[override]
+                fwd: Callable[[Any, Any, Any], tuple[Any, Any]], bwd: Callable[[Any, Any], Any]) -> Any:
+        out, ctx.saved = fwd(x, target, weight)
+        ctx.bwd = bwd
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        call = ctx.call
-        cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
-        if call.reduction is rules.Reduction.MEAN:
-            g = grad / ctx.saved_tensors[-1]
-        else:
-            g = grad
-        if call.target_kind is rules.TargetKind.CLASS_INDEX:
-            shifted, lse, target, w_t, w_local, _ = ctx.saved_tensors
-            valid = target != ctx.ignore_index
-            prob = (shifted - lse.unsqueeze(cdim)).exp()
-            n_local = shifted.shape[cdim]
-            # d loss / d x_c = (1 - eps) w_t (p_c - [c = t]) + eps / C (W p_c - w_c) on valid rows,
-            # W the sum of all class weights: local, no collective.
-            smooth_grad = prob * nc - 1.0 if w_local is None else prob * ctx.w_total - w_local
-            gx = (1 - eps) * prob * w_t.unsqueeze(cdim) + (eps / nc) * smooth_grad * valid.unsqueeze(cdim)
-            t = (target - ctx.start).unsqueeze(cdim)
-            owned = valid.unsqueeze(cdim) & (t >= 0) & (t < n_local)
-            gx = gx.scatter_add(cdim, t.clamp(0, n_local - 1), -(1 - eps) * w_t.unsqueeze(cdim) * owned)
-        else:
-            shifted, lse, wy, wy_sum, _ = ctx.saved_tensors
-            prob = (shifted - lse.unsqueeze(cdim)).exp()
-            gx = prob * wy_sum.unsqueeze(cdim) - wy
-        gx = gx * (g.unsqueeze(cdim) if g.ndim else g)
-        if call.target_kind is rules.TargetKind.CLASS_INDEX:
-            # ignored rows get exactly 0, as in torch, even when a mean over no rows divides by 0
-            gx = gx.masked_fill(~valid.unsqueeze(cdim), 0.0)
-        return gx, None, None, None, None, None, None
+        return ctx.bwd(ctx.saved, grad), None, None, None, None
+
+
+def _function(fwd: Callable[[Any, Any, Any], tuple[Any, Any]], bwd: Callable[[Any, Any], Any]) -> kernel.ApplyFn:
+    return lambda x, target, weight: _VocabParallelCrossEntropy.apply(x, target, weight, fwd, bwd)
 
 
 def _class_sharded(x: Any, dim: int) -> bool:

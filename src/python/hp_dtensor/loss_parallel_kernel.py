@@ -1,0 +1,281 @@
+"""Vocab-parallel cross entropy, written once for every backend.
+
+Logits whose class dim is sharded over one mesh dim (replicated over the others) are never
+gathered.  Forward issues two all_reduces over the vocab ranks: the row max, then the row sums
+stacked into one tensor (sum of exp, the target's shifted logit, the label-smoothing sum; for
+class-probability targets the target-weighted sums).  Every rank then holds the same loss.  The
+backward is local: the softmax gradient is folded into the loss gradient, so each rank computes
+its own slice's gradient from the row sums it already has.
+
+The result is ``torch.nn.functional.cross_entropy``'s on the whole logits, over its whole argument
+surface: ``(N, C, d1, ...)`` or ``(C,)`` logits, class-index or class-probability targets,
+``weight``, ``ignore_index``, ``label_smoothing`` and every ``reduction``.  Arguments are checked
+(``loss_parallel_rules``) on every rank before any collective.  A backend supplies how a call is
+intercepted, its tensor primitives (``LossMath``) and how a forward/backward pair becomes a
+differentiable function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from hp_dtensor import loss_parallel_rules as rules
+from hp_dtensor.dtensor_methods import DTensorMethods
+from hp_dtensor.placement_types import ReduceOp, Replicate
+from hp_dtensor.redistribute_exec import PlanPrimitives, reduce_over
+
+
+class LossMath(Protocol):
+    """The tensor primitives the loss is written in.  Tensors are the framework's own; ``+ - * /``,
+    negation and comparisons with tensors or Python numbers are used directly.  ``dim`` reductions
+    keep the reduced dim."""
+
+    def is_tensor(self, x: Any) -> bool: ...
+
+    def is_floating(self, t: Any) -> bool: ...
+
+    def requires_grad(self, t: Any) -> bool: ...
+
+    def shape(self, t: Any) -> tuple[int, ...]: ...
+
+    def detach(self, t: Any) -> Any: ...
+
+    def cast(self, t: Any, like: Any) -> Any:
+        """``t`` in ``like``'s floating dtype (bool becomes 0.0 / 1.0)."""
+        ...
+
+    def amax(self, t: Any, dim: int) -> Any:
+        """Max over ``dim``; ``-inf`` where ``dim`` has no elements (an empty vocab slice)."""
+        ...
+
+    def sum(self, t: Any, dim: int) -> Any: ...
+
+    def total(self, t: Any) -> Any:
+        """Sum of every element, 0-D."""
+        ...
+
+    def exp(self, t: Any) -> Any: ...
+
+    def log(self, t: Any) -> Any: ...
+
+    def logical_and(self, a: Any, b: Any) -> Any: ...
+
+    def logical_or(self, a: Any, b: Any) -> Any: ...
+
+    def where(self, cond: Any, t: Any, other: float) -> Any:
+        """``t`` where ``cond`` holds, else the number ``other``."""
+        ...
+
+    def clamp(self, t: Any, low: int, high: int) -> Any: ...
+
+    def cat(self, ts: list[Any], dim: int) -> Any: ...
+
+    def unbind(self, t: Any, dim: int) -> tuple[Any, ...]: ...
+
+    def unsqueeze(self, t: Any, dim: int) -> Any: ...
+
+    def reshape(self, t: Any, shape: tuple[int, ...]) -> Any: ...
+
+    def narrow(self, t: Any, dim: int, start: int, length: int) -> Any: ...
+
+    def gather(self, t: Any, dim: int, index: Any) -> Any:
+        """``t`` picked along ``dim`` at integer ``index`` (``torch.gather``)."""
+        ...
+
+    def scatter_add(self, t: Any, dim: int, index: Any, src: Any) -> Any:
+        """A copy of ``t`` with ``src`` added along ``dim`` at ``index`` (``torch.scatter_add``)."""
+        ...
+
+    def take(self, t: Any, index: Any) -> Any:
+        """1-D ``t`` indexed by an integer tensor of any shape (``t[index]``)."""
+        ...
+
+    def first_value(self, t: Any, mask: Any) -> int | None:
+        """The first element of ``t`` where ``mask`` holds, or None when none does."""
+        ...
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """This rank's classes: ``[start, start + width)`` of ``num_classes``, ``torch.chunk``'s split."""
+
+    start: int
+    width: int
+
+
+@dataclass
+class _Saved:
+    """What backward needs of forward."""
+
+    call: rules.CrossEntropyCall
+    width: int
+    shifted: Any
+    lse: Any
+    denom: Any
+    # class-index targets
+    valid: Any = None
+    index: Any = None
+    owned: Any = None
+    w_rows: Any = None
+    w_local: Any = None
+    w_total: Any = None
+    # class-probability targets
+    wy: Any = None
+    wy_sum: Any = None
+
+
+#: ``(local logits, target, weight) -> loss``, with the gradient of the local logits only.
+ApplyFn = Callable[[Any, Any, Any], Any]
+#: A backend's differentiable function from a forward ``(x, target, weight) -> (loss, saved)`` and
+#: a backward ``(saved, grad) -> grad of x``.
+MakeFunction = Callable[[Callable[[Any, Any, Any], "tuple[Any, _Saved]"], Callable[["_Saved", Any], Any]], ApplyFn]
+
+
+def cross_entropy(
+    m: LossMath,
+    collectives: PlanPrimitives,
+    function: MakeFunction,
+    input: DTensorMethods,
+    target: Any,
+    weight: Any = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> Any:
+    """``F.cross_entropy`` on class-sharded DTensor logits; a replicated DTensor loss."""
+    tgt = _whole(m, target)
+    w = None if weight is None else _whole(m, weight)
+    input_shape = tuple(int(n) for n in input._spec.shape)
+    call = rules.check_cross_entropy(
+        input_shape, tuple(input.placements), m.shape(tgt), m.is_floating(tgt),
+        None if w is None else m.shape(w), reduction, label_smoothing,
+    )
+    if (w is not None and m.requires_grad(w)) or (m.is_floating(tgt) and m.requires_grad(tgt)):
+        raise NotImplementedError(
+            "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
+        )
+    mesh = input.device_mesh
+    local = input.to_local()
+    n = mesh.size(call.vocab_mesh_dim)
+    index = mesh.get_local_rank(call.vocab_mesh_dim)
+    vocab = VocabSlice(min(call.num_classes, index * -(-call.num_classes // n)), m.shape(local)[call.class_dim])
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        # Targets are whole on every rank, so every rank gives the same answer here.
+        bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
+        rules.check_target_range(m.first_value(tgt, bad))
+    else:
+        tgt = m.narrow(tgt, call.class_dim, vocab.start, vocab.width)
+
+    def reduce(t: Any, op: ReduceOp) -> Any:
+        return reduce_over(t, mesh, (call.vocab_mesh_dim,), op, collectives)
+
+    def fwd(x: Any, t: Any, wt: Any) -> tuple[Any, _Saved]:
+        return forward(m, x, t, wt, call, ignore_index, vocab, reduce)
+
+    loss = function(fwd, lambda saved, grad: backward(m, saved, grad))(local, tgt, w)
+    return type(input).from_local(  # type: ignore[attr-defined]
+        loss, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+
+
+def _whole(m: LossMath, t: Any) -> Any:
+    """A target or weight argument as the whole plain tensor."""
+    if isinstance(t, DTensorMethods):
+        return t.full_tensor() if any(not p.is_replicate() for p in t.placements) else t.to_local()
+    if not m.is_tensor(t):
+        raise TypeError(f"loss_parallel: cross_entropy expects tensor target/weight, got {type(t).__name__}")
+    return t
+
+
+def _class_view(m: LossMath, t: Any, cdim: int, ndim: int) -> Any:
+    """``t`` of shape ``(C_local,)`` shaped to broadcast along the class dim of ``ndim``-D logits."""
+    shape = [1] * ndim
+    shape[cdim] = m.shape(t)[0]
+    return m.reshape(t, tuple(shape))
+
+
+def forward(
+    m: LossMath,
+    x: Any,
+    target: Any,
+    weight: Any,
+    call: rules.CrossEntropyCall,
+    ignore_index: int,
+    vocab: VocabSlice,
+    reduce: Callable[[Any, ReduceOp], Any],
+) -> tuple[Any, _Saved]:
+    """The loss from this rank's logits slice ``x`` (two all_reduces through ``reduce``)."""
+    cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
+    ndim = len(m.shape(x))
+    start, width = vocab.start, vocab.width
+    w_local = None
+    if weight is not None:
+        w_local = _class_view(m, m.cast(m.narrow(weight, 0, start, width), x), cdim, ndim)
+    xd = m.detach(x)
+    # The shift cancels in the gradient, so the max is a constant (no gradient through it).
+    shifted = xd - reduce(m.amax(xd, cdim), "max")
+    sum_exp_local = m.sum(m.exp(shifted), cdim)
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        valid = target != ignore_index
+        valid_f = m.cast(valid, x)
+        t = m.unsqueeze(target - start, cdim)
+        owned = m.logical_and(m.unsqueeze(valid, cdim), m.logical_and(t >= 0, t < width))
+        index = m.clamp(t, 0, max(width - 1, 0))
+        if width:
+            picked = m.gather(shifted, cdim, index) * m.cast(owned, x)
+        else:
+            picked = sum_exp_local * 0.0  # no classes here: nothing picked (shape of a row sum)
+        smooth = m.sum(shifted if w_local is None else shifted * w_local, cdim)
+        sum_exp, picked, smooth = m.unbind(reduce(m.cat([sum_exp_local, picked, smooth], cdim), "sum"), cdim)
+        lse = m.log(sum_exp)
+        w_total: Any
+        if weight is None:
+            w_rows, w_total = valid_f, float(nc)
+        else:
+            w_full = m.cast(weight, x)
+            w_rows = m.take(w_full, m.where(valid, target, 0)) * valid_f
+            w_total = m.total(w_full)
+        per = (1 - eps) * (lse - picked) * w_rows + (eps / nc) * (lse * w_total - smooth) * valid_f
+        saved = _Saved(call, width, shifted, lse, m.total(w_rows), valid=valid, index=index,
+                       owned=m.cast(owned, x), w_rows=w_rows, w_local=w_local, w_total=w_total)
+    else:
+        y = m.cast(target, x) * (1 - eps) + eps / nc
+        wy = y if w_local is None else y * w_local
+        sums = reduce(m.cat([sum_exp_local, m.sum(wy * shifted, cdim), m.sum(wy, cdim)], cdim), "sum")
+        sum_exp, wy_x, wy_sum = m.unbind(sums, cdim)
+        lse = m.log(sum_exp)
+        per = lse * wy_sum - wy_x
+        count = 1
+        for s in m.shape(per):
+            count *= s
+        saved = _Saved(call, width, shifted, lse, float(count), wy=wy, wy_sum=wy_sum)
+    if call.reduction is rules.Reduction.NONE:
+        return per, saved
+    if call.reduction is rules.Reduction.SUM:
+        return m.total(per), saved
+    return m.total(per) / saved.denom, saved
+
+
+def backward(m: LossMath, s: _Saved, grad: Any) -> Any:
+    """The gradient of this rank's logits slice: local, no collective."""
+    call = s.call
+    cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
+    g = grad / s.denom if call.reduction is rules.Reduction.MEAN else grad
+    prob = m.exp(s.shifted - m.unsqueeze(s.lse, cdim))
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        # d loss / d x_c = (1 - eps) w_t (p_c - [c = t]) + eps / C (W p_c - w_c) on valid rows, W the
+        # sum of all class weights.
+        valid_f = m.unsqueeze(m.cast(s.valid, s.shifted), cdim)
+        smooth_grad = prob * nc - 1.0 if s.w_local is None else prob * s.w_total - s.w_local
+        gx = (1 - eps) * prob * m.unsqueeze(s.w_rows, cdim) + (eps / nc) * smooth_grad * valid_f
+        if s.width:
+            gx = m.scatter_add(gx, cdim, s.index, -(1 - eps) * m.unsqueeze(s.w_rows, cdim) * s.owned)
+    else:
+        gx = prob * m.unsqueeze(s.wy_sum, cdim) - s.wy
+    gx = gx * (m.unsqueeze(g, cdim) if call.reduction is rules.Reduction.NONE else g)
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        # Ignored rows get exactly 0, as in torch, even when a mean over no rows divides by 0.
+        gx = m.where(m.unsqueeze(s.valid, cdim), gx, 0.0)
+    return gx
