@@ -274,12 +274,12 @@ def verify(rows: Sequence[Sequence[int]], layout: MeshLayout) -> None:
             digests = [recs[layout.ranks.index(rank)].digest for rank in group]
             if any(d != digests[0] for d in digests):
                 diff = [rank for rank, d in zip(group, digests) if d != digests[0]]
-                shown = ", ".join(f"rank {rank}: {d[0] & 0xFFFFFFFF:08x}" for rank, d in zip(group, digests))
+                listed = ", ".join(f"rank {rank}: {d[0] & 0xFFFFFFFF:08x}" for rank, d in zip(group, digests))
                 raise ValueError(
                     f"from_local(run_check=True): placement Replicate() on mesh dim {k} but ranks "
-                    f"{list(group)} hold different data (ranks {diff} differ from rank {group[0]}, bit for "
-                    f"bit: -0.0 is not 0.0; data digests {shown}); broadcast the tensor first or use "
-                    f"Shard/Partial"
+                    f"{list(group)} hold different data (ranks {diff} differ from rank {group[0]} bit for "
+                    f"bit; data digests {listed}); pass bit-identical copies (-0.0 is not 0.0), e.g. "
+                    f"broadcast the tensor first, or use Shard/Partial"
                 )
 
 

@@ -284,9 +284,12 @@ def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
 
 
 def _data_bytes(local: Tensor) -> memoryview:
-    """The values' bytes in row-major order (bfloat16 widened to float32, exactly and one-to-one)."""
+    """The values' bytes in row-major order, as torch has them (so both digest alike)."""
     with NoFallbackGuard():
-        return C._to_numpy(C._plain(local)).reshape(-1).view(np.uint8).data
+        a = np.ascontiguousarray(C._to_numpy(C._plain(local)))
+    if local.dtype == ms.bfloat16:  # widened to float32 exactly: the top 16 bits are the bfloat16
+        a = (a.view(np.uint32) >> 16).astype(np.uint16)
+    return a.reshape(-1).view(np.uint8).data
 
 
 def distribute_tensor(
