@@ -158,7 +158,7 @@ class LocalRecord:
     ndim: int
     shape_key: tuple[int, ...]
     shape: tuple[int, ...]
-    dtype_key: int
+    dtype_key: tuple[int, ...]
     dtype: str
     placements_key: tuple[int, ...]
     placements: tuple[int, ...]
@@ -172,7 +172,7 @@ class LocalRecord:
         pos = 2
         shape_key, shape = _unfield(row, pos, MAX_NDIM)
         pos += 2 + MAX_NDIM
-        dtype_key = row[pos]
+        dtype_key = tuple(row[pos : pos + 1 + NAME_CHARS])
         dtype = bytes(c for c in row[pos + 1 : pos + 1 + NAME_CHARS] if 0 < c < 256).decode(errors="replace")
         pos += 1 + NAME_CHARS
         pl_key, pl = _unfield(row, pos, MAX_MESH_NDIM)
