@@ -11,12 +11,8 @@ earlier ones left (the earlier mesh dim takes the outer, coarser chunks), as in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from hp_dtensor.placement_types import Placement, Replicate, Shard
-
-if TYPE_CHECKING:
-    from hp_dtensor.device_mesh import DeviceMesh
 
 
 def chunk_size(size: int, n: int) -> int:
@@ -149,18 +145,6 @@ def size_before(
         if isinstance(p, Shard) and p.dim == tensor_dim:
             size = chunk_size_and_offset(size, mesh_shape[k], coordinate[k])[0]
     return size
-
-
-def check_equal_shard_shapes(rows: Sequence[Sequence[int]], mesh: DeviceMesh) -> None:
-    """``rows[i]`` is (local shape..., ndim) of the mesh's i-th rank (row-major); raise
-    ``ValueError`` naming every rank's shape unless all are equal."""
-    if all(list(r) == list(rows[0]) for r in rows):
-        return
-    detail = ", ".join(f"rank {rank}: {tuple(r[:-1])}" for rank, r in zip(mesh.layout.ranks, rows))
-    raise ValueError(
-        f"from_local(run_check=True): local shards differ across the mesh ({detail}); "
-        f"pass shape= (and stride=) for uneven shards"
-    )
 
 
 def even_placements(

@@ -208,7 +208,7 @@ def test_distribute_tensor_from_local_and_distribute_module(pool):
         assert from_source[1] == {"broadcast": 2}  # one per mesh dim, from group-rank 0
         np.testing.assert_array_equal(local_slices[0], np.split(A, 2, 0)[r0])
         assert local_slices[1] == 0  # src_data_rank=None: every rank slices its own copy
-        assert "local shards differ" in shape_error and "rank 3: (3, 4)" in shape_error
+        assert "local shape differs" in shape_error and "rank 3: (3, 4)" in shape_error
         placements, y_shape, seen = module
         assert placements == (Replicate(), Replicate()) and y_shape == (3, 2)
         assert seen == [(Replicate(), Replicate())]

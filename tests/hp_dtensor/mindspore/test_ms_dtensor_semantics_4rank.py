@@ -450,11 +450,11 @@ def test_from_local_run_check_compares_a_fixed_record(pool):
     results = pool.run(_run_check_cases, timeout=60)
     assert all(r == results[0] for r in results)  # the same verdict on every rank
     out = results[0]
-    assert "differ in dtype" in out["dtype"] and "rank 1: Int32" in out["dtype"] and "rank 0: Float32" in out["dtype"]
-    assert "differ in ndim" in out["ndim"] and "rank 3: 3" in out["ndim"] and "rank 0: 2" in out["ndim"]
-    assert "local shards differ" in out["shape"] and "rank 2: (3, 4)" in out["shape"]
+    assert "the dtype differs" in out["dtype"] and "rank 1: int32" in out["dtype"] and "rank 0: float32" in out["dtype"]
+    assert "the ndim differs" in out["ndim"] and "rank 3: 3" in out["ndim"] and "rank 0: 2" in out["ndim"]
+    assert "local shape differs" in out["shape"] and "rank 2: (3, 4)" in out["shape"]
     assert "Replicate() on mesh dim 1" in out["replicate data"] and "rank 1" in out["replicate data"]
-    assert "differ in placements" in out["placements"] and "rank 0: [S(0), S(1)]" in out["placements"]
+    assert "the placements differs" in out["placements"] and "rank 0: [Shard(dim=0), Shard(dim=1)]" in out["placements"]
     assert out["after"] == np.concatenate([base, base + 10]).tolist()
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
+from hp_dtensor import from_local_check
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_methods import (
     DTensorMethods,
@@ -26,13 +27,10 @@ from hp_dtensor.dtensor_methods import (
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
-from hp_dtensor.local_check import check_local_records, local_record
-from hp_dtensor.mesh_exchange import gather_over_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
     check_one_reduce_op,
-    normalize_placements,
 )
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
@@ -244,11 +242,12 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
 
         Without ``shape`` the global shape assumes even sharding (as torch); uneven shards
         (``torch.chunk``-style) need ``shape``.  ``run_check=True`` first exchanges one fixed-size
-        record per rank (ndim, shape, dtype, placements, a checksum of the data), so the check
-        itself cannot hang or mismatch; then every rank raises the same ``ValueError`` naming each
-        rank's value when the ranks disagree on ndim, dtype or placements, when the shards do not
-        tile the global shape (equal shards without ``shape``), or when ranks sharing a
-        ``Replicate`` mesh dim hold different data."""
+        record per rank (ndim, shape, dtype, placements, ``shape``, a digest of the data's bytes),
+        so the check itself cannot hang or mismatch; then every rank raises the same ``ValueError``
+        naming each rank's value when the ranks disagree on ndim, dtype, placements or ``shape``,
+        when the shards do not tile the global shape (equal shards without ``shape``), or when
+        ranks sharing a ``Replicate`` mesh dim are not bit-identical (see
+        ``hp_dtensor.from_local_check``)."""
         mesh = resolve_mesh(device_mesh, "from_local")
         if isinstance(local_tensor, DTensor):
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
@@ -256,9 +255,10 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
         lshape = tuple(Tensor.shape.fget(local_tensor))
         if run_check:
-            _check_local_metadata(local_tensor, lshape, mesh, placements, shape)
-        spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements,
-                                  shape, stride)
+            spec = from_local_check.checked_spec(lshape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor),
+                                                 mesh, placements, shape, stride, C.COLLECTIVES)
+        else:
+            spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements, shape, stride)
         check_one_reduce_op(spec.placements)
         return DTensor(local_tensor, spec)
 
@@ -283,22 +283,13 @@ def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
     check_partial_dtype(placements, str(dtype))
 
 
-def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any,
-                          shape: Sequence[int] | None = None) -> None:
-    """Every rank's metadata record over every mesh dim, then the same verdict on every rank."""
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise RuntimeError(f"rank {mesh.get_rank()} is not part of {mesh}")
-    try:
-        pl = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim,
-                                  mesh.ndim, len(lshape))
-    except (TypeError, ValueError):
-        pl = tuple(Replicate() for _ in range(mesh.ndim))  # the caller's own error comes right after
+def _data_bytes(local: Tensor) -> memoryview:
+    """The values' bytes in row-major order, as torch has them (so both digest alike)."""
     with NoFallbackGuard():
-        data = C._to_numpy(C._plain(local)).tobytes()
-        table = gather_over_mesh([list(local_record(lshape, str(local.dtype), pl, data))], mesh, C.COLLECTIVES)
-    gshape = tuple(int(x) for x in shape) if shape is not None and len(tuple(shape)) == len(lshape) else None
-    check_local_records(table, mesh, gshape, pl if gshape is not None else None)
+        a = np.ascontiguousarray(C._to_numpy(C._plain(local)))
+    if local.dtype == ms.bfloat16:  # widened to float32 exactly: the top 16 bits are the bfloat16
+        a = (a.view(np.uint32) >> 16).astype(np.uint16)
+    return a.reshape(-1).view(np.uint8).data
 
 
 def distribute_tensor(

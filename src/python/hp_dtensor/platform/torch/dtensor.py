@@ -21,8 +21,7 @@ from hp_dtensor.dtensor_methods import (
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
-from hp_dtensor.mesh_exchange import gather_over_mesh
-from hp_dtensor.placement_types import Placement, Replicate, normalize_placements
+from hp_dtensor.placement_types import Placement, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
 from hp_dtensor.sharding.strides import global_strides
@@ -137,66 +136,26 @@ class DTensor(DTensorMethods, torch.Tensor):
         Without ``shape`` the global shape assumes even sharding (every rank's shard alike), as in
         torch; uneven shards need ``shape`` (and optionally ``stride``, the global contiguous
         strides).  ``run_check=True`` exchanges one fixed-size record per rank (ndim, shape, dtype,
-        placements, ``shape``, a checksum of the data) and raises the same ``ValueError`` on every
-        rank, naming each rank's value, when they do not describe one DTensor -- including
-        ``Replicate`` shards whose data differ."""
+        placements, ``shape``, a digest of the data's bytes) and raises the same ``ValueError`` on
+        every rank, naming each rank's value, when they do not describe one DTensor -- including
+        ``Replicate`` shards that are not bit-identical (see ``hp_dtensor.from_local_check``)."""
         mesh = resolve_mesh(device_mesh, "from_local")
-        if not run_check:
-            spec = _from_local_spec(local_tensor, mesh, placements, shape, stride)
-            return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
-        error: Exception | None = None
-        try:
-            spec = _from_local_spec(local_tensor, mesh, placements, shape, stride)
-        except (ValueError, TypeError) as e:
-            error = e
-        _run_check(local_tensor, mesh, placements, shape, error is None)
-        if error is not None:
-            raise error
+        if run_check:
+            spec = from_local_check.checked_spec(
+                local_tensor.shape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor), mesh, placements,
+                shape, stride, C.COLLECTIVES,
+            )
+        else:
+            spec = from_local_checked(local_tensor.shape, str(local_tensor.dtype), mesh, placements, shape, stride)
         return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
 
 
-def _from_local_spec(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: Sequence[Placement] | Placement | None,
-    shape: Sequence[int] | None,
-    stride: Sequence[int] | None,
-) -> DTensorSpec:
-    return from_local_checked(local.shape, str(local.dtype), mesh, placements, shape, stride)
-
-
-def _checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Two float64 sums of the data (plain and position-weighted), as their bit patterns: equal
-    data give equal bits, and a differing element almost surely changes one of them."""
-    if t.is_meta or t.numel() == 0:
-        return (0, 0)
-    x = t.detach()
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    x = x.reshape(-1).to(torch.float64)
-    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device).remainder_(1021).add_(1)
-    sums = torch.stack([x.sum(), (x * w).sum()]).cpu()
-    a, b = sums.view(torch.int64).tolist()
-    return (int(a), int(b))
-
-
-def _run_check(
-    local: torch.Tensor,
-    mesh: DeviceMesh,
-    placements: Sequence[Placement] | Placement | None,
-    shape: Sequence[int] | None,
-    ok: bool,
-) -> None:
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return
-    if placements is None:
-        placements = [Replicate()] * mesh.ndim
-    rec = from_local_check.make_record(
-        ok, tuple(local.shape), str(local.dtype), placements, shape, _checksum(local)
-    )
-    # Every rank decides on the same table of every rank's record.
-    from_local_check.verify(gather_over_mesh([list(rec.encode())], mesh, C.COLLECTIVES), mesh.layout)
+def _data_bytes(t: torch.Tensor) -> memoryview:
+    """The values' bytes in row-major order (a meta tensor has none)."""
+    if t.is_meta:
+        return memoryview(b"")
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().data  # type: ignore[no-any-return]
 
 
 def distribute_tensor(
