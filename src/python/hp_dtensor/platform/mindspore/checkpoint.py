@@ -17,7 +17,7 @@ def save_safetensors(tensors: dict[str, Any], path: str, metadata: dict[str, str
     plain = {}
     for k, v in tensors.items():
         whole = v.full_tensor() if isinstance(v, DTensor) else v
-        plain[k] = np.ascontiguousarray(Tensor.asnumpy(whole) if isinstance(whole, Tensor) else np.asarray(whole))
+        plain[k] = np.require(Tensor.asnumpy(whole) if isinstance(whole, Tensor) else np.asarray(whole), requirements="C")
     save_file(plain, path, metadata=metadata)
 
 

@@ -74,15 +74,17 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- exact data movement on CPU
+# ``np.require(..., requirements="C")``, not ``ascontiguousarray``: the latter makes a 0-d array
+# 1-d, and a reduced scalar must stay 0-d.
 def _to_numpy(t: Tensor) -> np.ndarray:
     """``t``'s values as a numpy array; bfloat16 (which numpy lacks) widens to float32 exactly."""
     if t.dtype == ms.bfloat16:
         return np.asarray(t.astype(ms.float32).asnumpy())
-    return np.ascontiguousarray(t.asnumpy())
+    return np.require(t.asnumpy(), requirements="C")
 
 
 def _from_numpy(a: np.ndarray, dtype: Any) -> Tensor:
-    out = Tensor(np.ascontiguousarray(a))
+    out = Tensor(np.require(a, requirements="C"))
     return out if out.dtype == dtype else out.astype(dtype)
 
 
@@ -104,7 +106,7 @@ def _gather_bytes(raw: np.ndarray, group: Any, n: int, index: int) -> np.ndarray
 
 def _gather_numpy(a: np.ndarray, group: Any, n: int, index: int) -> np.ndarray:
     """Every rank's ``a`` stacked on a new dim 0, bit for bit."""
-    a = np.ascontiguousarray(a)
+    a = np.require(a, requirements="C")
     rows = _gather_bytes(a.reshape(-1).view(np.uint8), group, n, index)
     return np.ascontiguousarray(rows).view(a.dtype).reshape((n,) + a.shape)
 

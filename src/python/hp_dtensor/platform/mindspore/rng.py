@@ -73,7 +73,7 @@ def draw_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Place
     coord = mesh.get_coordinate()
     shape, start = local_shape_and_offset(global_shape, mesh.shape, placements, coord)
     index = tuple(slice(o, o + n) for o, n in zip(start, shape))
-    return np.ascontiguousarray(full[index])
+    return np.require(full[index], requirements="C")
 
 
 def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:

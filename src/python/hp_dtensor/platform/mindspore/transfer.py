@@ -47,7 +47,7 @@ def _numpy_of(t: Any, what: str) -> np.ndarray:
     if t.dtype == ms.bfloat16:
         raise ValueError(f"{what} is bfloat16, which safetensors' numpy API (used on MindSpore) cannot store; "
                          f"cast it to float32 before saving")
-    return np.ascontiguousarray(_plain(t).asnumpy())
+    return np.require(_plain(t).asnumpy(), requirements="C")
 
 
 class _MsTransfer:
