@@ -1,7 +1,7 @@
-"""Reductions over dims (sum, mean, amax/amin, max/min with indices).
+"""Reductions over dims (sum, mean, amax/amin, any/all, max/min with indices).
 
 A shard on a reduced dim becomes ``Partial`` of the matching op (sum -> sum, mean -> avg under
-even sharding, amax -> max, amin -> min); shards on kept dims move with the dim.  A Partial input
+even sharding, amax and any -> max, amin and all -> min); shards on kept dims move with the dim.  A Partial input
 flows through sum/mean (linear) and is reduced first for the others.  Ops returning indices
 gather the reduced dim instead.
 """
@@ -14,7 +14,8 @@ from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
-_PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
+# any/all give booleans: the any of every rank's any is their max, the all their min.
+_PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min", "any": "max", "all": "min"}
 
 
 def reduction_rule(

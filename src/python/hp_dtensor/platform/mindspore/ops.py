@@ -262,6 +262,10 @@ def _reduce(kind: str) -> Any:
 
 register("SumExt")(_reduce("sum"))
 register("MeanExt")(_reduce("mean"))
+register("ReduceMax", "Max")(_reduce("amax"))
+register("ReduceMin", "Min")(_reduce("amin"))
+register("ReduceAny", "Any", "AnyExt")(_reduce("any"))
+register("ReduceAll", "All", "AllExt")(_reduce("all"))
 
 # ---------------------------------------------------------------- norms and softmax
 

@@ -281,6 +281,10 @@ register(aten.max.default)(lambda c: reduction_rule(c, "amax", None, False))
 register(aten.min.default)(lambda c: reduction_rule(c, "amin", None, False))
 register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
 register(aten.min.dim)(lambda c: reduction_rule(c, "min_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
+register(aten.any.default)(lambda c: reduction_rule(c, "any", None, False))
+register(aten.any.dim, aten.any.dims)(lambda c: reduction_rule(c, "any", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.all.default)(lambda c: reduction_rule(c, "all", None, False))
+register(aten.all.dim, aten.all.dims)(lambda c: reduction_rule(c, "all", _dims_arg(c, 1), _keepdim(c, 2)))
 register(aten.argmax.default)(lambda c: reduction_rule(c, "argmax", _dims_arg(c, 1), _keepdim(c, 2)))
 
 # ---------------------------------------------------------------- norms and softmax
