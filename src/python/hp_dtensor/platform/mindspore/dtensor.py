@@ -31,7 +31,6 @@ from hp_dtensor.mesh_exchange import gather_over_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
-    check_one_reduce_op,
     normalize_placements,
 )
 from hp_dtensor.platform.mindspore import collectives as C
@@ -220,7 +219,7 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         return local
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        _check_reduce_ops(placements, self.dtype)
+        check_partial_dtype(placements, str(self.dtype))
 
     def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         spec = self._spec
@@ -259,7 +258,6 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
             _check_local_metadata(local_tensor, lshape, mesh, placements, shape)
         spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements,
                                   shape, stride)
-        check_one_reduce_op(spec.placements)
         return DTensor(local_tensor, spec)
 
 
@@ -276,11 +274,6 @@ def _reflected(dt: DTensor, other: Any, forward: str, base: Any) -> Any:
     mesh = dt._spec.mesh
     lifted = DTensor(other, DTensorSpec(mesh, tuple(Replicate() for _ in range(mesh.ndim)), shape))
     return getattr(lifted, forward)(dt)
-
-
-def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
-    check_one_reduce_op(placements)
-    check_partial_dtype(placements, str(dtype))
 
 
 def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMesh, placements: Any,
@@ -322,7 +315,6 @@ def distribute_tensor(
         isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype),
         device_mesh, placements, src_data_rank,
     )
-    check_one_reduce_op(spec.placements)
     if getattr(tensor, "has_init", False):
         tensor = tensor.init_data()
     with NoFallbackGuard():
