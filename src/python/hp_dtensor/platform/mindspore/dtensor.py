@@ -21,8 +21,7 @@ from mindspore._c_expression import NoFallbackGuard
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_methods import (
     DTensorMethods,
-    distribute_checked,
-    distribute_local,
+    distribute_with,
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
@@ -294,6 +293,30 @@ def _check_local_metadata(local: Tensor, lshape: tuple[int, ...], mesh: DeviceMe
     check_local_records(table, mesh, gshape, pl if gshape is not None else None)
 
 
+class _Distribute:
+    """MindSpore's ``DistributePrimitives``: a lazily initialized tensor (``has_init``) is
+    materialized first; the layout's ops never reach the DTensor dispatch; the shard is a copy."""
+
+    tensor_type = Tensor
+    tensor_name = "mindspore.Tensor"
+    dtensor_type = DTensor
+    collectives = C.COLLECTIVES
+    layout_context = NoFallbackGuard
+
+    @staticmethod
+    def source(tensor: Any) -> tuple[Tensor, bool]:
+        if getattr(tensor, "has_init", False):
+            tensor = tensor.init_data()
+        return C._plain(tensor), True
+
+    @staticmethod
+    def shard(local: Tensor, tensor: Any, spec: DTensorSpec) -> DTensor:
+        return DTensor(C.copy(local), spec)
+
+
+_DISTRIBUTE = _Distribute()
+
+
 def distribute_tensor(
     tensor: Any,
     device_mesh: DeviceMesh | None = None,
@@ -309,17 +332,7 @@ def distribute_tensor(
     materialized yet (``has_init``, MindSpore's lazy initializer) is materialized on every rank
     and then treated alike: the source's draw is broadcast, so the ranks need not be seeded alike
     (with ``src_data_rank=None`` each rank keeps its own draw: seed them alike)."""
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
-    spec = distribute_checked(
-        isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype),
-        device_mesh, placements, src_data_rank,
-    )
-    if getattr(tensor, "has_init", False):
-        tensor = tensor.init_data()
-    with NoFallbackGuard():
-        local = C.copy(distribute_local(C._plain(tensor), spec, src_data_rank, C.COLLECTIVES))
-    return DTensor(local, spec)
+    return distribute_with(_DISTRIBUTE, tensor, device_mesh, placements, src_data_rank)  # type: ignore[no-any-return]
 
 
 def as_parameter(dt: DTensor, old: Any) -> Any:
