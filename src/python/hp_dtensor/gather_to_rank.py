@@ -43,11 +43,19 @@ class TransferPrimitives(Protocol):
     def recv(self, shape: Sequence[int], dtype_name: str, src: int) -> Tensor: ...
 
 
-class WorldObjects:
-    """The world-group part of ``TransferPrimitives``, the same on every backend: this rank, the
-    world size, and an object gather over every rank through the backend's collectives module
-    (``[obj]`` in a world of one, which needs no process group).  Backends' ``TRANSFER`` objects
-    inherit it and add the tensor primitives."""
+class TransferBase:
+    """The part of ``TransferPrimitives`` that is the same on every backend: this rank, the world
+    size, an object gather over every rank through the backend's collectives module (``[obj]`` in a
+    world of one, which needs no process group), a tensor's spec and shape.  Backends' ``TRANSFER``
+    objects inherit it and add the framework's tensor primitives."""
+
+    @staticmethod
+    def spec_of(t: Tensor) -> DTensorSpec | None:
+        return t._spec if isinstance(t, current().DTensor) else None  # type: ignore[no-any-return]
+
+    @staticmethod
+    def shape_of(t: Tensor) -> tuple[int, ...]:
+        return tuple(int(n) for n in t.shape)
 
     @staticmethod
     def rank() -> int:

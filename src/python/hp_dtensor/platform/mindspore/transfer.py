@@ -1,10 +1,11 @@
 """Box transfer and safetensors primitives of MindSpore (``TransferPrimitives``, ``ShardFilePrimitives``).
 
 mccl on CPU has no point-to-point, so ``send``/``recv`` (gathering a tensor onto one rank) are
-refused; the rank, world size and object gather are the neutral ``WorldObjects`` (the collectives
-module's object gather, on the world group).  safetensors files are written and read through safetensors' numpy API, so they
-hold the same bytes a torch run writes; numpy has no bfloat16, so bfloat16 tensors are refused
-by name.  dtype names are the framework-neutral lowercase names torch uses too.
+refused.  The rank, world size, object gather (the collectives module's, on the world group), spec
+and shape are the neutral ``TransferBase``.  safetensors files are written and read through
+safetensors' numpy API, so they hold the same bytes a torch run writes; numpy has no bfloat16, so
+bfloat16 tensors are refused by name.  dtype names are the framework-neutral lowercase names torch
+uses too.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.gather_to_rank import WorldObjects
-from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.gather_to_rank import TransferBase
 
 _DTYPES: dict[str, Any] = {
     "float64": ms.float64, "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
@@ -48,18 +47,10 @@ def _numpy_of(t: Any, what: str) -> np.ndarray:
     return np.ascontiguousarray(_plain(t).asnumpy())
 
 
-class _MsTransfer(WorldObjects):
-    @staticmethod
-    def spec_of(t: Any) -> DTensorSpec | None:
-        return t._spec if isinstance(t, DTensor) else None
-
+class _MsTransfer(TransferBase):
     @staticmethod
     def local_of(t: Any) -> Tensor:
         return _plain(t)
-
-    @staticmethod
-    def shape_of(t: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in t.shape)
 
     @staticmethod
     def dtype_name(t: Any) -> str:

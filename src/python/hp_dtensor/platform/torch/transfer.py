@@ -1,9 +1,9 @@
 """Point-to-point box transfer primitives of torch (``TransferPrimitives``).
 
 Sends and receives (issued by the collectives module) go over the default (world) process group
-with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``); the
-rank, world size and object gather are the neutral ``WorldObjects``.  dtype names are the
-framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
+with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
+rank, world size, object gather, spec and shape are the neutral ``TransferBase``.  dtype names
+are the framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.gather_to_rank import WorldObjects
+from hp_dtensor.gather_to_rank import TransferBase
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor
 
@@ -38,18 +37,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
-class _TorchTransfer(WorldObjects):
-    @staticmethod
-    def spec_of(t: Any) -> DTensorSpec | None:
-        return t._spec if isinstance(t, DTensor) else None
-
+class _TorchTransfer(TransferBase):
     @staticmethod
     def local_of(t: Any) -> torch.Tensor:
         return (t._local_tensor if isinstance(t, DTensor) else t).detach()
-
-    @staticmethod
-    def shape_of(t: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in t.shape)
 
     @staticmethod
     def dtype_name(t: Any) -> str:
