@@ -13,13 +13,16 @@ tensor and a spec).  Everything that decides is written once below:
   stays where it is, the op runs on the shards and one output is wrapped with a known spec).
 - ``fill_placeholders``: rewritten arguments get the (redistributed) local tensors in place of
   their ``TensorInfo`` placeholders.
+- ``flatten_one_level`` / ``unflatten_one_level``: op arguments as a flat list of leaves (lists
+  opened one level, what ops take) and back; ``shared_mesh``: the mixing rule between plain
+  tensors and DTensors; ``wrap_leaves``: which decision output each tensor output takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,6 +227,105 @@ def fill_placeholders(
     if decision.kwargs is not None:
         local_kwargs = map_leaves(fill, decision.kwargs)
     return local_args, local_kwargs
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def flatten_one_level(values: Iterable[Any], flat: list[Any]) -> tuple[Any, ...] | None:
+    """Append the leaves of ``values`` to ``flat``, a list or tuple opened one level: per value
+    None (a leaf) or ``(type, length)``.  None where a value is a dict, a subclass of list or tuple,
+    or a list holding a container: the caller flattens that its own way."""
+    shape: list[Any] = []
+    for v in values:
+        c = v.__class__
+        if c is list or c is tuple:
+            for x in v:
+                if isinstance(x, _CONTAINERS):
+                    return None
+            flat.extend(v)
+            shape.append((c, len(v)))
+        elif isinstance(v, _CONTAINERS):
+            return None
+        else:
+            flat.append(v)
+            shape.append(None)
+    return tuple(shape)
+
+
+def unflatten_one_level(flat: Sequence[Any], pos: int, shape: Sequence[Any]) -> tuple[list[Any], int]:
+    """The values ``flatten_one_level`` gave ``shape`` for, rebuilt from ``flat`` from ``pos`` on;
+    with the position after them."""
+    out: list[Any] = []
+    for item in shape:
+        if item is None:
+            out.append(flat[pos])
+            pos += 1
+        else:
+            typ, n = item
+            out.append(typ(flat[pos : pos + n]))
+            pos += n
+    return out, pos
+
+
+def shared_mesh(
+    op: Any,
+    leaves: Iterable[Any],
+    dtensor_type: Any,
+    tensor_type: Any,
+    tensor_name: str,
+    shape_of: Callable[[Any], tuple[int, ...]],
+    may_join: Callable[[Any, tuple[int, ...]], bool],
+) -> tuple[DeviceMesh, bool]:
+    """The mesh the DTensor leaves of one op share, and whether a plain tensor with a dimension
+    joins them (as Replicate; ``may_join`` says where the backend allows it).  Anywhere else such
+    a tensor next to a DTensor is an error naming it: the op would mix a global value with shards."""
+    mesh = None
+    joined = False
+    for leaf in leaves:
+        if isinstance(leaf, dtensor_type):
+            mesh = check_mesh(op, mesh, leaf._spec.mesh)
+        elif isinstance(leaf, tensor_type):
+            shape = shape_of(leaf)
+            if shape:
+                if not may_join(leaf, shape):
+                    raise RuntimeError(
+                        f"{op}: got a mix of {tensor_name} (shape {shape}) and DTensor arguments; make the "
+                        f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
+                    )
+                joined = True
+    if mesh is None:
+        raise NotImplementedError(
+            f"{op}: a DTensor argument nested more than one list deep is not supported; pass it directly"
+        )
+    return mesh, joined
+
+
+def wrap_leaves(
+    leaves: Iterable[Any],
+    mesh: DeviceMesh,
+    entry: CachedCall,
+    tensor_type: Any,
+    shape_of: Callable[[Any], tuple[int, ...]],
+    wrap: Callable[[Any, DTensorSpec], Any],
+) -> list[Any]:
+    """An op's output leaves with each tensor wrapped as the DTensor its decision gives: a tensor
+    takes the decision output at its position among outputs, counting ``None`` holes (what rules
+    list), and its spec by its index among tensor outputs."""
+    res: list[Any] = []
+    j = 0
+    ti = 0
+    for leaf in leaves:
+        if isinstance(leaf, tensor_type):
+            spec = entry.output_spec(j, ti, mesh, shape_of(leaf))
+            j += 1
+            ti += 1
+            res.append(leaf if spec is None else wrap(leaf, spec))
+        else:
+            if leaf is None:
+                j += 1
+            res.append(leaf)
+    return res
 
 
 def check_mesh(op: Any, mesh: DeviceMesh | None, other: DeviceMesh) -> DeviceMesh:

@@ -11,7 +11,8 @@ walker runs (``redistribute_planner.plan_distribute``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hp_dtensor.dtensor_spec import (
     DTensorSpec,
@@ -135,3 +136,55 @@ def distribute_local(whole: Any, spec: DTensorSpec, src_data_rank: int | None, p
     mesh = spec.mesh
     plan = plan_distribute(mesh.shape, spec.shape, spec.placements, src_data_rank)
     return run_plan(plan, whole, mesh, prims)
+
+
+class DistributePrimitives(Protocol):
+    """What ``distribute_tensor`` needs of a backend besides the plan walker's collectives."""
+
+    @property
+    def tensor_type(self) -> type[Any]:
+        """The framework's tensor class (errors name it by ``tensor_name``, ``torch.Tensor``)."""
+        ...
+
+    @property
+    def tensor_name(self) -> str: ...
+
+    @property
+    def dtensor_type(self) -> type[Any]: ...
+
+    @property
+    def collectives(self) -> PlanPrimitives: ...
+
+    def source(self, tensor: Any) -> tuple[Any, bool]:
+        """``tensor``'s whole value, materialized and detached from autograd, and whether it holds
+        data to send (a meta tensor does not: its layout never communicates)."""
+        ...
+
+    def layout_context(self) -> AbstractContextManager[Any]:
+        """The context the layout's local ops run in (no autograd recording, no DTensor dispatch)."""
+        ...
+
+    def shard(self, local: Any, tensor: Any, spec: DTensorSpec) -> Any:
+        """The DTensor of ``spec`` holding ``local`` as its own storage (never ``tensor``'s)."""
+        ...
+
+
+def distribute_with(
+    prims: DistributePrimitives,
+    tensor: Any,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | Placement | None,
+    src_data_rank: int | None,
+) -> Any:
+    """``distribute_tensor`` on a backend's primitives: the arguments checked, then this rank's
+    shard by the plan from ``Replicate`` (see ``distribute_local``)."""
+    if not isinstance(tensor, prims.tensor_type):
+        raise TypeError(f"distribute_tensor expects a {prims.tensor_name}, got {type(tensor).__name__}")
+    spec = distribute_checked(
+        isinstance(tensor, prims.dtensor_type), tuple(int(n) for n in tensor.shape), str(tensor.dtype),
+        device_mesh, placements, src_data_rank,
+    )
+    whole, has_data = prims.source(tensor)
+    with prims.layout_context():
+        local = distribute_local(whole, spec, src_data_rank if has_data else None, prims.collectives)
+        return prims.shard(local, tensor, spec)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, check_no_partial, shard_box
 from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.platform import backend_primitives
+from hp_dtensor.platform import backend_primitives, current
 
 Tensor = Any  # the framework's tensor type
 
@@ -32,7 +32,6 @@ class TransferPrimitives(Protocol):
     def rank(self) -> int: ...
     def world_size(self) -> int: ...
     def all_gather_object(self, obj: Any) -> list[Any]: ...
-    def barrier(self) -> None: ...
     def spec_of(self, t: Tensor) -> DTensorSpec | None: ...
     def local_of(self, t: Tensor) -> Tensor: ...
     def shape_of(self, t: Tensor) -> tuple[int, ...]: ...
@@ -42,6 +41,38 @@ class TransferPrimitives(Protocol):
     def put_box(self, buf: Tensor, offsets: Sequence[int], piece: Tensor) -> None: ...
     def send(self, t: Tensor, dst: int) -> None: ...
     def recv(self, shape: Sequence[int], dtype_name: str, src: int) -> Tensor: ...
+
+
+class TransferBase:
+    """The part of ``TransferPrimitives`` that is the same on every backend: this rank, the world
+    size, an object gather over every rank through the backend's collectives module (``[obj]`` in a
+    world of one, which needs no process group), a tensor's spec and shape.  Backends' ``TRANSFER``
+    objects inherit it and add the framework's tensor primitives."""
+
+    @staticmethod
+    def spec_of(t: Tensor) -> DTensorSpec | None:
+        return t._spec if isinstance(t, current().DTensor) else None  # type: ignore[no-any-return]
+
+    @staticmethod
+    def shape_of(t: Tensor) -> tuple[int, ...]:
+        return tuple(int(n) for n in t.shape)
+
+    @staticmethod
+    def rank() -> int:
+        return current().get_rank()
+
+    @staticmethod
+    def world_size() -> int:
+        return current().get_world_size()
+
+    @staticmethod
+    def all_gather_object(obj: Any) -> list[Any]:
+        plat = current()
+        n = plat.get_world_size()
+        if n == 1:
+            return [obj]
+        world = plat.get_or_create_group(tuple(range(n)))
+        return plat.COLLECTIVES.all_gather_object(obj, world, n, plat.get_rank())
 
 
 def transfer_primitives() -> TransferPrimitives:

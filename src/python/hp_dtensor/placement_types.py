@@ -143,17 +143,6 @@ def normalize_placements(
     return tuple(out)
 
 
-def check_one_reduce_op(placements: tuple[Placement, ...]) -> None:
-    """Reject ``Partial`` placements with different reduce ops on one tensor (as torch does): the
-    value of ``[Partial("sum"), Partial("max")]`` depends on which mesh dim is reduced first."""
-    ops = sorted({p.reduce_op for p in placements if isinstance(p, Partial)})
-    if len(ops) > 1:
-        raise ValueError(
-            f"placements {placements} mix Partial reduce ops {ops}; a tensor's Partial placements must all "
-            f"use one reduce op (reduce one mesh dim with .redistribute first, then re-partial it)"
-        )
-
-
 def partials_replicated(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     """``placements`` with every ``Partial`` read as ``Replicate``: the layout of a fresh value
     (a random draw, a factory) made in the shape of a partial tensor, which is no sum of terms."""

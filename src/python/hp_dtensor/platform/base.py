@@ -36,6 +36,10 @@ class Collectives(PlanPrimitives, Protocol):
         group order, exactly."""
         ...
 
+    def all_gather_object(self, obj: Any, group: Any, n: int, index: int) -> list[Any]:
+        """Every group member's picklable ``obj``, in group order (sizes may differ by rank)."""
+        ...
+
 
 class Backend(Protocol):
     """The names every backend module exports (see the module docstring)."""

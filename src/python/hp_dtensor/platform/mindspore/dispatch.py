@@ -24,9 +24,12 @@ from hp_dtensor.dispatch_core import (
     CachedCall,
     DispatchCore,
     call_key,
-    check_mesh,
     fill_placeholders,
+    flatten_one_level,
     make_cached_call,
+    shared_mesh,
+    unflatten_one_level,
+    wrap_leaves,
 )
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
@@ -79,38 +82,27 @@ def random_op(*names: str) -> Callable[[Any], Any]:
     return deco
 
 
-def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
     """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
-    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them."""
+    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them.  Deeper
+    structures stay whole (a DTensor inside one is refused by ``shared_mesh``)."""
     flat: list[Any] = []
-    shape: list[Any] = []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            flat.extend(a)
-            shape.append((type(a), len(a)))
-        else:
-            flat.append(a)
-            shape.append(None)
+    shape = flatten_one_level(args, flat)
+    if shape is None:
+        return list(args), (None,) * len(args)
     return flat, shape
 
 
-def _unflatten(flat: list[Any], shape: list[Any]) -> tuple[Any, ...]:
-    out: list[Any] = []
-    pos = 0
-    for item in shape:
-        if item is None:
-            out.append(flat[pos])
-            pos += 1
-        else:
-            typ, n = item
-            out.append(typ(flat[pos : pos + n]))
-            pos += n
-    return tuple(out)
+def _unflatten(flat: list[Any], shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(unflatten_one_level(flat, 0, shape)[0])
 
 
 def _tensor_key(x: Any) -> Any:
     """A plain tensor in a key (only one-element tensors get past the mixing check): its shape."""
     return tuple(Tensor.shape.fget(x))
+
+
+_shape = _tensor_key
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -122,21 +114,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if name in LOCAL_UPDATE_OPS:
         flat = _join_local_updates(name, flat)
     kw_items = list(kwargs.items())
-    mesh = None
-    for leaf in flat + [v for _, v in kw_items]:
-        if isinstance(leaf, DTensor):
-            mesh = check_mesh(name, mesh, leaf._spec.mesh)
-        elif isinstance(leaf, Tensor):
-            lshape = tuple(Tensor.shape.fget(leaf))
-            if lshape and not (name in LOCAL_UPDATE_OPS and _is_one_element(lshape)):
-                raise RuntimeError(
-                    f"{name}: got a mix of mindspore.Tensor (shape {lshape}) and DTensor arguments; make the "
-                    f"tensor a DTensor with DTensor.from_local or distribute_tensor first"
-                )
-    if mesh is None:
-        raise NotImplementedError(
-            f"{name}: a DTensor argument nested more than one list deep is not supported; pass it directly"
-        )
+    update = name in LOCAL_UPDATE_OPS
+    mesh, _ = shared_mesh(
+        name, flat + [v for _, v in kw_items], DTensor, Tensor, "mindspore.Tensor", _shape,
+        lambda _, lshape: update and _is_one_element(lshape),
+    )
     key, entry = _CORE.lookup(
         call_key(name, _unflatten(flat, shape), dict(kw_items), DTensor, Tensor, _tensor_key, False)
     )
@@ -196,7 +178,7 @@ def _info(leaf: Any) -> Any:
     return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
 
 
-def _decide(name: str, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any) -> CachedCall:
+def _decide(name: str, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tuple[str, Any]], mesh: Any) -> CachedCall:
     args = _unflatten([_info(x) for x in flat], shape)
     kwargs = {k: _info(v) for k, v in kw_items}
     # In-place updates keep the layout they find, uneven or not.
@@ -240,7 +222,7 @@ def _replicated_where_input_is(req: tuple[Any, ...], outputs: tuple[Any, ...]) -
     )
 
 
-def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str, Any]], mesh: Any,
+def _run(func: Any, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tuple[str, Any]], mesh: Any,
          entry: CachedCall) -> Any:
     decision = entry.decision
     prep: _GradFacts = entry.extra
@@ -298,17 +280,13 @@ def _run(func: Any, flat: list[Any], shape: list[Any], kw_items: list[tuple[str,
 
 
 def _wrap(out: Any, mesh: Any, entry: CachedCall) -> Any:
-    """Tensor outputs as DTensors with the placements the decision gave (output ``j`` of a list
-    or tuple takes the decision's ``j``-th, the last one repeating)."""
+    """Tensor outputs as DTensors with the placements the decision gave (``wrap_leaves``: an
+    output of a list or tuple takes the decision's output at its position, the last repeating)."""
     if isinstance(out, Tensor):
         spec = entry.output_spec(0, 0, mesh, tuple(Tensor.shape.fget(out)))
         return out if spec is None else DTensor(out, spec)
     if isinstance(out, (list, tuple)):
-        res = []
-        for j, leaf in enumerate(out):
-            spec = entry.output_spec(j, j, mesh, tuple(Tensor.shape.fget(leaf))) if isinstance(leaf, Tensor) else None
-            res.append(leaf if spec is None else DTensor(leaf, spec))
-        return type(out)(res)
+        return type(out)(wrap_leaves(out, mesh, entry, Tensor, _shape, DTensor))
     return out
 
 

@@ -22,15 +22,13 @@ from hp_dtensor import from_local_check
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_methods import (
     DTensorMethods,
-    distribute_checked,
-    distribute_local,
+    distribute_with,
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
-    check_one_reduce_op,
 )
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
@@ -218,7 +216,7 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         return local
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        _check_reduce_ops(placements, self.dtype)
+        check_partial_dtype(placements, str(self.dtype))
 
     def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         spec = self._spec
@@ -259,7 +257,6 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
                                                  mesh, placements, shape, stride, C.COLLECTIVES)
         else:
             spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements, shape, stride)
-        check_one_reduce_op(spec.placements)
         return DTensor(local_tensor, spec)
 
 
@@ -278,11 +275,6 @@ def _reflected(dt: DTensor, other: Any, forward: str, base: Any) -> Any:
     return getattr(lifted, forward)(dt)
 
 
-def _check_reduce_ops(placements: tuple[Placement, ...], dtype: Any) -> None:
-    check_one_reduce_op(placements)
-    check_partial_dtype(placements, str(dtype))
-
-
 def _data_bytes(local: Tensor) -> memoryview:
     """The values' bytes in row-major order, as torch has them (so both digest alike)."""
     with NoFallbackGuard():
@@ -290,6 +282,30 @@ def _data_bytes(local: Tensor) -> memoryview:
     if local.dtype == ms.bfloat16:  # widened to float32 exactly: the top 16 bits are the bfloat16
         a = (a.view(np.uint32) >> 16).astype(np.uint16)
     return a.reshape(-1).view(np.uint8).data
+
+
+class _Distribute:
+    """MindSpore's ``DistributePrimitives``: a lazily initialized tensor (``has_init``) is
+    materialized first; the layout's ops never reach the DTensor dispatch; the shard is a copy."""
+
+    tensor_type = Tensor
+    tensor_name = "mindspore.Tensor"
+    dtensor_type = DTensor
+    collectives = C.COLLECTIVES
+    layout_context = NoFallbackGuard
+
+    @staticmethod
+    def source(tensor: Any) -> tuple[Tensor, bool]:
+        if getattr(tensor, "has_init", False):
+            tensor = tensor.init_data()
+        return C._plain(tensor), True
+
+    @staticmethod
+    def shard(local: Tensor, tensor: Any, spec: DTensorSpec) -> DTensor:
+        return DTensor(C.copy(local), spec)
+
+
+_DISTRIBUTE = _Distribute()
 
 
 def distribute_tensor(
@@ -307,18 +323,7 @@ def distribute_tensor(
     materialized yet (``has_init``, MindSpore's lazy initializer) is materialized on every rank
     and then treated alike: the source's draw is broadcast, so the ranks need not be seeded alike
     (with ``src_data_rank=None`` each rank keeps its own draw: seed them alike)."""
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"distribute_tensor expects a mindspore.Tensor, got {type(tensor).__name__}")
-    spec = distribute_checked(
-        isinstance(tensor, DTensor), tuple(Tensor.shape.fget(tensor)), str(tensor.dtype),
-        device_mesh, placements, src_data_rank,
-    )
-    check_one_reduce_op(spec.placements)
-    if getattr(tensor, "has_init", False):
-        tensor = tensor.init_data()
-    with NoFallbackGuard():
-        local = C.copy(distribute_local(C._plain(tensor), spec, src_data_rank, C.COLLECTIVES))
-    return DTensor(local, spec)
+    return distribute_with(_DISTRIBUTE, tensor, device_mesh, placements, src_data_rank)  # type: ignore[no-any-return]
 
 
 def as_parameter(dt: DTensor, old: Any) -> Any:

@@ -1,15 +1,15 @@
 """Box transfer and safetensors primitives of MindSpore (``TransferPrimitives``, ``ShardFilePrimitives``).
 
 mccl on CPU has no point-to-point, so ``send``/``recv`` (gathering a tensor onto one rank) are
-refused; the object gather goes through the exact integer gather of the collectives module, on
-the world group.  safetensors files are written and read through safetensors' numpy API, so they
-hold the same bytes a torch run writes; numpy has no bfloat16, so bfloat16 tensors are refused
-by name.  dtype names are the framework-neutral lowercase names torch uses too.
+refused.  The rank, world size, object gather (the collectives module's, on the world group), spec
+and shape are the neutral ``TransferBase``.  safetensors files are written and read through
+safetensors' numpy API, so they hold the same bytes a torch run writes; numpy has no bfloat16, so
+bfloat16 tensors are refused by name.  dtype names are the framework-neutral lowercase names torch
+uses too.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -18,10 +18,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from hp_dtensor.dtensor_spec import DTensorSpec
-from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.platform.mindspore import process_group as PG
-from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.gather_to_rank import TransferBase
 
 _DTYPES: dict[str, Any] = {
     "float64": ms.float64, "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
@@ -50,45 +47,10 @@ def _numpy_of(t: Any, what: str) -> np.ndarray:
     return np.require(_plain(t).asnumpy(), requirements="C")
 
 
-class _MsTransfer:
-    @staticmethod
-    def rank() -> int:
-        return PG.get_rank()
-
-    @staticmethod
-    def world_size() -> int:
-        return PG.get_world_size()
-
-    @staticmethod
-    def all_gather_object(obj: Any) -> list[Any]:
-        n = PG.get_world_size()
-        if n == 1:
-            return [obj]
-        raw = np.frombuffer(pickle.dumps(obj), np.uint8)
-        index = PG.get_rank()
-        sizes = C.gather_int_table(np.asarray([[raw.size]], np.int64), PG.world_group(), n, index).reshape(-1)
-        words = (int(sizes.max()) + 7) // 8
-        padded = np.zeros(words * 8, np.uint8)
-        padded[: raw.size] = raw
-        rows = C.gather_int_table(padded.view(np.int64).reshape(1, words), PG.world_group(), n, index)
-        rows_u8 = np.ascontiguousarray(rows).view(np.uint8).reshape(n, words * 8)
-        return [pickle.loads(rows_u8[r, : int(sizes[r])].tobytes()) for r in range(n)]
-
-    @staticmethod
-    def barrier() -> None:
-        C.barrier(PG.world_group(), PG.get_world_size())
-
-    @staticmethod
-    def spec_of(t: Any) -> DTensorSpec | None:
-        return t._spec if isinstance(t, DTensor) else None
-
+class _MsTransfer(TransferBase):
     @staticmethod
     def local_of(t: Any) -> Tensor:
         return _plain(t)
-
-    @staticmethod
-    def shape_of(t: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in t.shape)
 
     @staticmethod
     def dtype_name(t: Any) -> str:

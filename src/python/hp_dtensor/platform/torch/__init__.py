@@ -13,7 +13,7 @@ from hp_dtensor.platform.torch.checkpoint_state import (
     set_optimizer_state_dict,
     stage_to_cpu,
 )
-from hp_dtensor.platform.torch.collectives import COLLECTIVES
+from hp_dtensor.platform.torch.collectives import COLLECTIVES, all_gather_object, broadcast_object
 from hp_dtensor.platform.torch.dcp import load as dcp_load
 from hp_dtensor.platform.torch.dcp import save as dcp_save
 from hp_dtensor.platform.torch.dcp import tensor_meta
@@ -53,8 +53,6 @@ from hp_dtensor.platform.torch.modules import (
     track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
-    all_gather_object,
-    broadcast_object,
     destroy,
     ensure_process_group,
     get_or_create_group,

@@ -131,6 +131,43 @@ def barrier(group: Any, n: int) -> None:
     dist.barrier(group=group)
 
 
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """``obj`` of every rank of ``group`` (default: the world), in rank order (``[obj]`` without
+    a process group).  Counted as one ``all_gather_object`` (its bytes are pickles, unknown here)."""
+    if not dist.is_initialized():
+        return [obj]
+    n = dist.get_world_size(group)
+    out: list[Any] = [None] * n
+    record("all_gather_object", 0, n)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` of global rank ``src`` on every rank of ``group`` (default: the world; itself without
+    a process group)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    record("broadcast_object", 0, dist.get_world_size(group))
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    """Send ``t`` to global rank ``dst`` over the world group (blocking)."""
+    t = t.detach().contiguous()
+    record("send", _nbytes(t))
+    dist.send(t, dst)
+
+
+def recv(out: torch.Tensor, src: int) -> torch.Tensor:
+    """Receive into ``out`` from global rank ``src`` over the world group (blocking; not counted:
+    the matching ``send`` is)."""
+    dist.recv(out, src)
+    return out
+
+
 def all_gather_flat_start(flat: torch.Tensor, group: Any, n: int, *, async_op: bool) -> tuple[Any, torch.Tensor]:
     """Start (or run) the all_gather of every rank's 1-D ``flat`` into one ``n * len`` buffer:
     ``(work or None, out)``.  FSDP's bucketed gathers overlap with compute, so they are issued
@@ -201,6 +238,10 @@ class _Collectives:
         return scatter(pieces, t.narrow(dim, 0, t.shape[dim] // n), src_global_rank, group)
 
     barrier = staticmethod(barrier)
+
+    @staticmethod
+    def all_gather_object(obj: Any, group: Any, n: int, index: int) -> list[Any]:
+        return all_gather_object(obj, group)
 
     @staticmethod
     def gather_int_rows(rows: list[list[int]], group: Any, n: int, index: int) -> list[list[int]]:

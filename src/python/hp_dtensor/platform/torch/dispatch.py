@@ -16,9 +16,12 @@ from hp_dtensor.dispatch_core import (
     CachedCall,
     DispatchCore,
     call_key,
-    check_mesh,
     fill_placeholders,
+    flatten_one_level,
     make_cached_call,
+    shared_mesh,
+    unflatten_one_level,
+    wrap_leaves,
 )
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
@@ -72,9 +75,6 @@ def _is_inplace(func: Any) -> bool:
     return r
 
 
-_CONTAINERS = (list, tuple, dict)
-
-
 class _SimpleSpec:
     """Args and kwargs nested at most one level in lists/tuples (what aten ops take): flatten and
     unflatten without pytree's generic (and slower) machinery.  ``shape`` holds, per argument,
@@ -90,45 +90,16 @@ class _SimpleSpec:
         # to the same leaves.
         self.key = (arg_shape, keys, kw_shape)
 
-    @staticmethod
-    def _take(flat: list[Any], pos: int, shape: tuple[Any, ...]) -> tuple[list[Any], int]:
-        out = []
-        for item in shape:
-            if item is None:
-                out.append(flat[pos])
-                pos += 1
-            else:
-                typ, n = item
-                out.append(typ(flat[pos : pos + n]))
-                pos += n
-        return out, pos
-
     def unflatten(self, flat: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, pos = self._take(flat, 0, self.arg_shape)
-        kwargs, _ = self._take(flat, pos, self.kw_shape)
+        args, pos = unflatten_one_level(flat, 0, self.arg_shape)
+        kwargs, _ = unflatten_one_level(flat, pos, self.kw_shape)
         return tuple(args), dict(zip(self.keys, kwargs))
-
-
-def _flatten_values(values: Any, flat: list[Any]) -> tuple[Any, ...] | None:
-    shape: list[Any] = []
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            if type(v) not in (list, tuple) or any(isinstance(x, _CONTAINERS) for x in v):
-                return None
-            flat.extend(v)
-            shape.append((type(v), len(v)))
-        elif isinstance(v, dict):
-            return None
-        else:
-            flat.append(v)
-            shape.append(None)
-    return tuple(shape)
 
 
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
     flat: list[Any] = []
-    arg_shape = _flatten_values(args, flat)
-    kw_shape = _flatten_values(kwargs.values(), flat) if arg_shape is not None else None
+    arg_shape = flatten_one_level(args, flat)
+    kw_shape = flatten_one_level(kwargs.values(), flat) if arg_shape is not None else None
     if arg_shape is None or kw_shape is None:
         return pytree.tree_flatten((args, kwargs))
     return flat, _SimpleSpec(arg_shape, tuple(kwargs), kw_shape)
@@ -229,25 +200,20 @@ def _dispatch_one(
     if key is _NO_KEY:
         key, entry = _CORE.lookup(call_key(id(func), args, kwargs, DTensor, torch.Tensor, _plain_key, _facts(func)[1]))
     flat, treespec = _flatten(args, kwargs)
-    mesh = None
-    has_plain = False
-    for leaf in flat:
-        if isinstance(leaf, DTensor):
-            mesh = check_mesh(func, mesh, leaf._spec.mesh)
-        elif isinstance(leaf, torch.Tensor) and leaf.ndim:
-            if not _in_backward() and not _is_one_hot_classes(func, args, leaf):
-                raise RuntimeError(
-                    f"{func}: got a mix of torch.Tensor (shape {tuple(leaf.shape)}) and DTensor arguments; "
-                    f"make the tensor a DTensor with DTensor.from_local or distribute_tensor first"
-                )
-            has_plain = True
-    assert mesh is not None
+    mesh, has_plain = shared_mesh(
+        func, flat, DTensor, torch.Tensor, "torch.Tensor", _shape,
+        lambda leaf, _: _in_backward() or _is_one_hot_classes(func, args, leaf),
+    )
     if has_plain:
         flat = _as_dtensors(flat, mesh)
     if entry is None:
         entry = _decide(func, args, kwargs, flat, treespec, mesh, has_plain)
         _CORE.store(key, entry)
     return _run(func, flat, treespec, mesh, entry, args)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
 
 
 def _is_one_hot_classes(func: Any, args: tuple[Any, ...], leaf: torch.Tensor) -> bool:
@@ -390,20 +356,7 @@ def _wrap(out: Any, mesh: Any, entry: CachedCall) -> Any:
         spec = entry.output_spec(0, 0, mesh, tuple(out.shape))
         return out if spec is None else DTensor(out, spec)
     flat, tree = pytree.tree_flatten(out)
-    res = []
-    j = 0  # position among outputs, None holes included (what decision.outputs lists)
-    ti = 0  # index among tensor outputs
-    for leaf in flat:
-        if isinstance(leaf, torch.Tensor):
-            spec = entry.output_spec(j, ti, mesh, tuple(leaf.shape))
-            j += 1
-            ti += 1
-            res.append(leaf if spec is None else DTensor(leaf, spec))
-        else:
-            if leaf is None:
-                j += 1
-            res.append(leaf)
-    return pytree.tree_unflatten(res, tree)
+    return pytree.tree_unflatten(wrap_leaves(flat, mesh, entry, torch.Tensor, _shape, DTensor), tree)
 
 
 _pointwise_funcs: dict[Any, bool] = {}

@@ -16,8 +16,7 @@ from hp_dtensor import from_local_check
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor_methods import (
     DTensorMethods,
-    distribute_checked,
-    distribute_local,
+    distribute_with,
     from_local_checked,
 )
 from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
@@ -158,6 +157,31 @@ def _data_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data  # type: ignore[no-any-return]
 
 
+class _Distribute:
+    """torch's ``DistributePrimitives``: the layout runs without autograd recording; a meta tensor
+    never communicates; the shard is contiguous and never the caller's storage."""
+
+    tensor_type = torch.Tensor
+    tensor_name = "torch.Tensor"
+    dtensor_type = DTensor
+    collectives = C.COLLECTIVES
+    layout_context = staticmethod(torch.no_grad)
+
+    @staticmethod
+    def source(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return tensor.detach(), not tensor.is_meta
+
+    @staticmethod
+    def shard(local: torch.Tensor, tensor: torch.Tensor, spec: DTensorSpec) -> DTensor:
+        local = local.contiguous()
+        if not tensor.is_meta and local.data_ptr() == tensor.data_ptr():
+            local = local.clone()
+        return DTensor(local, spec, requires_grad=tensor.requires_grad)
+
+
+_DISTRIBUTE = _Distribute()
+
+
 def distribute_tensor(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh | None = None,
@@ -170,16 +194,7 @@ def distribute_tensor(
     ``src_data_rank=0``: group-rank 0 of each mesh dim is the source; its values are scattered or
     broadcast, so other ranks may pass anything of the right shape.  ``None``: every rank slices
     its own copy, no collective.  A meta tensor never communicates."""
-    spec = distribute_checked(
-        isinstance(tensor, DTensor), tuple(tensor.shape), str(tensor.dtype),
-        device_mesh, placements, src_data_rank,
-    )
-    with torch.no_grad():
-        source = None if tensor.is_meta else src_data_rank
-        local = distribute_local(tensor.detach(), spec, source, C.COLLECTIVES).contiguous()
-        if local.data_ptr() == tensor.data_ptr() and not tensor.is_meta:
-            local = local.clone()  # the DTensor owns its shard, never the caller's storage
-    return DTensor(local, spec, requires_grad=tensor.requires_grad)
+    return distribute_with(_DISTRIBUTE, tensor, device_mesh, placements, src_data_rank)  # type: ignore[no-any-return]
 
 
 # ----- autograd adapters: each layout change is differentiable, its dual runs in backward -----

@@ -97,26 +97,6 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
     return group
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` of rank ``src`` on every rank of ``group`` (default: the world; itself without a
-    process group)."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """``obj`` of every rank of ``group`` (default: the world), in rank order (``[obj]`` without
-    a process group)."""
-    if not is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def new_world_group() -> Any:
     """A second group of every rank (gloo), for collectives issued from a background thread so
     they never interleave with the training's on the default group; ``None`` without a process

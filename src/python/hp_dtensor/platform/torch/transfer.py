@@ -1,8 +1,9 @@
 """Point-to-point box transfer primitives of torch (``TransferPrimitives``).
 
-Sends and receives go over the default (world) process group with global ranks and are recorded
-in ``CommDebugMode`` (each transfer once, as a ``send``); outside a process group the world is one rank.  dtype names are the
-framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
+Sends and receives (issued by the collectives module) go over the default (world) process group
+with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
+rank, world size, object gather, spec and shape are the neutral ``TransferBase``.  dtype names
+are the framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hp_dtensor.comm_debug import record
-from hp_dtensor.dtensor_spec import DTensorSpec
+from hp_dtensor.gather_to_rank import TransferBase
+from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -37,44 +37,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _NAMES[dtype]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-class _TorchTransfer:
-    @staticmethod
-    def rank() -> int:
-        return dist.get_rank() if _distributed() else 0
-
-    @staticmethod
-    def world_size() -> int:
-        return dist.get_world_size() if _distributed() else 1
-
-    @staticmethod
-    def all_gather_object(obj: Any) -> list[Any]:
-        if not _distributed():
-            return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        record("all_gather_object", 0, dist.get_world_size())
-        dist.all_gather_object(out, obj)
-        return out
-
-    @staticmethod
-    def barrier() -> None:
-        if _distributed():
-            dist.barrier()
-
-    @staticmethod
-    def spec_of(t: Any) -> DTensorSpec | None:
-        return t._spec if isinstance(t, DTensor) else None
-
+class _TorchTransfer(TransferBase):
     @staticmethod
     def local_of(t: Any) -> torch.Tensor:
         return (t._local_tensor if isinstance(t, DTensor) else t).detach()
-
-    @staticmethod
-    def shape_of(t: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in t.shape)
 
     @staticmethod
     def dtype_name(t: Any) -> str:
@@ -96,15 +62,11 @@ class _TorchTransfer:
 
     @staticmethod
     def send(t: torch.Tensor, dst: int) -> None:
-        t = t.detach().contiguous()
-        record("send", t.numel() * t.element_size())
-        dist.send(t, dst)
+        C.send(t, dst)
 
     @staticmethod
     def recv(shape: Sequence[int], name: str, src: int) -> torch.Tensor:
-        out = torch.empty(tuple(shape), dtype=to_dtype(name))
-        dist.recv(out, src)
-        return out
+        return C.recv(torch.empty(tuple(shape), dtype=to_dtype(name)), src)
 
 
 TRANSFER = _TorchTransfer()
