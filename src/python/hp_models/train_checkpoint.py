@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.checkpoint import get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
+from hp_dtensor.checkpoint import (
+    dcp_backend,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from hp_dtensor.checkpoint_atomic import latest_checkpoint, load_checkpoint, save_checkpoint
 from hp_dtensor.checkpoint_layout import CheckpointError
 
@@ -39,8 +44,7 @@ def _check_rng_agrees() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     mine = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = dcp_backend().all_gather_object(mine)  # through the collectives module: counted, one path
     if len(set(every)) != 1:
         raise CheckpointError(
             "checkpoint: the ranks' CPU generator states differ, so one saved state cannot restore them; "
