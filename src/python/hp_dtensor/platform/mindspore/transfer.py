@@ -19,6 +19,7 @@ import numpy as np
 from mindspore import Tensor
 
 from hp_dtensor.gather_to_rank import TransferBase
+from hp_dtensor.platform.mindspore.collectives import _plain
 
 _DTYPES: dict[str, Any] = {
     "float64": ms.float64, "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16,
@@ -33,11 +34,6 @@ def dtype_name(dtype: Any) -> str:
         if d == dtype:
             return name
     raise ValueError(f"dtype {dtype} has no checkpoint name; supported: {sorted(_DTYPES)}")
-
-
-def _plain(t: Any) -> Tensor:
-    """A plain Tensor sharing ``t``'s data (DTensors and Parameters included)."""
-    return t if type(t) is Tensor else Tensor._make_subclass(Tensor, t)
 
 
 def _numpy_of(t: Any, what: str) -> np.ndarray:
