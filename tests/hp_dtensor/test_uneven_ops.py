@@ -100,3 +100,38 @@ def test_ops_on_uneven_shards_match_one_process(pool4: RankPool, capsys: Any) ->
             print("   refused:", r[0], r[2])
     assert not bad, bad[:5]
     assert not raised, raised[:5]
+
+
+def _uneven_strides(rank: int, world: int) -> list[tuple[str, Any, Any]]:
+    import torch
+
+    from hp_dtensor import Shard, distribute_tensor, init_device_mesh
+
+    out = []
+    for mesh_shape, pl in (((4,), [Shard(1)]), ((4,), [Shard(0)]), ((2, 2), [Shard(2), Shard(1)])):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        for shape in ((3, 5), (2, 5, 1), (2, 3, 5), (5, 1, 3), (1, 2, 3)):
+            if any(p.dim >= len(shape) for p in pl):
+                continue
+            plain = torch.randn(shape, dtype=torch.float64)
+            x = distribute_tensor(plain, mesh, pl)
+            for name, fn in (("x", lambda t: t), ("mul", lambda t: t * 2), ("add", lambda t: t + t),
+                             ("zeros_like", torch.zeros_like), ("clone", lambda t: t.clone()),
+                             ("contiguous", lambda t: t.contiguous()), ("to_f32", lambda t: t.float()),
+                             ("gelu", torch.nn.functional.gelu), ("detach", lambda t: t.detach())):
+                got, want = fn(x), fn(plain)
+                out.append((f"{mesh_shape} {pl} {shape} {name}",
+                            (tuple(got.stride()), got.is_contiguous()), (tuple(want.stride()), want.is_contiguous())))
+    return out
+
+
+def test_uneven_shards_report_the_plain_tensors_strides_on_every_rank(pool4: RankPool) -> None:
+    """Strides from each rank's own shard would differ across ranks (a size-1 or empty shard takes
+    any stride), and composite ops and autograd choose paths by strides: every rank must report the
+    plain tensor's strides."""
+    results = pool4.run(_uneven_strides)
+    for per_rank in results:
+        assert per_rank == results[0]
+        wrong = [r for r in per_rank if r[1] != r[2]]
+        assert not wrong, wrong[:5]
+    print(f"\nuneven strides: {len(results[0])} cases x 4 ranks agree with plain tensors")

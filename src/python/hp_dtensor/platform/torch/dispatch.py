@@ -174,7 +174,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Inline of _new_dtensor (this is the per-op path).
         spec: Any = entry.out_specs[0]  # type: ignore[index]
         stride = out.stride()
-        strides = entry.memo.get(stride) or _strides(entry, stride)
+        strides = entry.memo.get(stride) or _strides(entry, stride, out.is_contiguous())
         r = _make_wrapper(
             DTensor, spec.shape, strides=strides, dtype=out.dtype, device=out.device, layout=out.layout,
             requires_grad=False,
@@ -185,12 +185,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _dispatch_one(func, args, kwargs, key, entry)
 
 
-def _strides(entry: CachedCall, stride: tuple[int, ...]) -> tuple[int, ...]:
+def _strides(entry: CachedCall, stride: tuple[int, ...], contiguous: bool) -> tuple[int, ...]:
     """The wrapper strides of the entry's one output for a local output of ``stride``, computed
     once per entry and stride (the same as ``DTensor(out, spec)`` gives)."""
     spec = entry.out_specs[0]  # type: ignore[index]
     assert spec is not None
-    strides = entry.memo[stride] = global_strides(stride, spec.mesh.shape, spec.placements)
+    strides = entry.memo[stride] = global_strides(stride, spec.mesh.shape, spec.placements, spec.shape, contiguous)
     return strides
 
 

@@ -52,7 +52,9 @@ class DTensor(DTensorMethods, torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             spec.shape,
-            strides=global_strides(local_tensor.stride(), spec.mesh.shape, spec.placements),
+            strides=global_strides(
+                local_tensor.stride(), spec.mesh.shape, spec.placements, spec.shape, local_tensor.is_contiguous()
+            ),
             dtype=local_tensor.dtype,
             device=local_tensor.device,
             layout=local_tensor.layout,
