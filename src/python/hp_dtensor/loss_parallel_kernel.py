@@ -36,6 +36,12 @@ class LossMath(Protocol):
 
     def is_floating(self, t: Any) -> bool: ...
 
+    def is_bool(self, t: Any) -> bool: ...
+
+    def as_index(self, t: Any) -> Any:
+        """An integer tensor as int64 (``uint8`` class indices must not wrap when shifted)."""
+        ...
+
     def requires_grad(self, t: Any) -> bool: ...
 
     def shape(self, t: Any) -> tuple[int, ...]: ...
@@ -150,7 +156,7 @@ def cross_entropy(
     input_shape = tuple(int(n) for n in input._spec.shape)
     call = rules.check_cross_entropy(
         input_shape, tuple(input.placements), m.shape(tgt), m.is_floating(tgt),
-        None if w is None else m.shape(w), reduction, label_smoothing,
+        None if w is None else m.shape(w), reduction, label_smoothing, target_is_bool=m.is_bool(tgt),
     )
     if (w is not None and m.requires_grad(w)) or (m.is_floating(tgt) and m.requires_grad(tgt)):
         raise NotImplementedError(
@@ -160,8 +166,9 @@ def cross_entropy(
     local = input.to_local()
     n = mesh.size(call.vocab_mesh_dim)
     index = mesh.get_local_rank(call.vocab_mesh_dim)
-    vocab = VocabSlice(min(call.num_classes, index * -(-call.num_classes // n)), m.shape(local)[call.class_dim])
+    vocab = vocab_slice(call.num_classes, n, index)
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        tgt = m.as_index(tgt)
         # Targets are whole on every rank, so every rank gives the same answer here.
         bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
         rules.check_target_range(m.first_value(tgt, bad))
@@ -178,6 +185,14 @@ def cross_entropy(
     return type(input).from_local(  # type: ignore[attr-defined]
         loss, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
+
+
+def vocab_slice(num_classes: int, n: int, index: int) -> VocabSlice:
+    """The classes of the ``index``-th of ``n`` vocab ranks (``torch.chunk``: the last ranks may
+    hold fewer, or none)."""
+    chunk = -(-num_classes // n)
+    start = min(num_classes, index * chunk)
+    return VocabSlice(start, min(num_classes, start + chunk) - start)
 
 
 def _whole(m: LossMath, t: Any) -> Any:
@@ -223,12 +238,16 @@ def forward(
         t = m.unsqueeze(target - start, cdim)
         owned = m.logical_and(m.unsqueeze(valid, cdim), m.logical_and(t >= 0, t < width))
         index = m.clamp(t, 0, max(width - 1, 0))
+        # Masks select (``where``), never multiply: a -inf logit times a 0 mask is NaN, and the
+        # logits of a row another rank owns, or of an ignored row, must not reach the loss.
         if width:
-            picked = m.gather(shifted, cdim, index) * m.cast(owned, x)
+            picked = m.where(owned, m.gather(shifted, cdim, index), 0.0)
         else:
             picked = sum_exp_local * 0.0  # no classes here: nothing picked (shape of a row sum)
-        smooth = m.sum(shifted if w_local is None else shifted * w_local, cdim)
-        sum_exp, picked, smooth = m.unbind(reduce(m.cat([sum_exp_local, picked, smooth], cdim), "sum"), cdim)
+        sums = [sum_exp_local, picked]
+        if eps:  # without smoothing the class sum is not needed (and a -inf logit makes it -inf)
+            sums.append(m.sum(shifted if w_local is None else shifted * w_local, cdim))
+        sum_exp, picked, *smooth = m.unbind(reduce(m.cat(sums, cdim), "sum"), cdim)
         lse = m.log(sum_exp)
         w_total: Any
         if weight is None:
@@ -237,7 +256,11 @@ def forward(
             w_full = m.cast(weight, x)
             w_rows = m.take(w_full, m.where(valid, target, 0)) * valid_f
             w_total = m.total(w_full)
-        per = (1 - eps) * (lse - picked) * w_rows + (eps / nc) * (lse * w_total - smooth) * valid_f
+        per = (1 - eps) * (lse - picked) * w_rows
+        if eps:
+            per = per + (eps / nc) * (lse * w_total - smooth[0])
+        # An ignored row adds exactly 0 whatever its logits hold (NaN or inf padding), as in torch.
+        per = m.where(valid, per, 0.0)
         saved = _Saved(call, width, shifted, lse, m.total(w_rows), valid=valid, index=index,
                        owned=m.cast(owned, x), w_rows=w_rows, w_local=w_local, w_total=w_total)
     else:

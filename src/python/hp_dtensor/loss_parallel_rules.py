@@ -68,6 +68,8 @@ def check_cross_entropy(
     weight_shape: Sequence[int] | None,
     reduction: str,
     label_smoothing: float,
+    *,
+    target_is_bool: bool = False,
 ) -> CrossEntropyCall:
     """Check one call; raise the error torch raises (or a ``ValueError`` naming loss_parallel)."""
     ndim = len(input_shape)
@@ -94,8 +96,19 @@ def check_cross_entropy(
         )
     num_classes = int(input_shape[cdim])
     batch = tuple(int(n) for i, n in enumerate(input_shape) if i != cdim)
+    if target_is_bool:
+        raise RuntimeError(
+            "loss_parallel: cross_entropy expects class indices as an integer tensor or class "
+            "probabilities as a floating one, got a bool target; pass target.long()"
+        )
     if target_is_floating:
         kind = TargetKind.PROBABILITY
+        if tuple(target_shape) == batch and tuple(target_shape) != tuple(input_shape):
+            raise RuntimeError(
+                f"loss_parallel: a floating target is read as class probabilities, which need the logits' "
+                f"shape {tuple(input_shape)}, got {tuple(target_shape)}; pass class indices as an integer "
+                f"tensor (target.long())"
+            )
         if tuple(target_shape) != tuple(input_shape):
             raise RuntimeError(
                 f"loss_parallel: class-probability targets must have the logits' shape {tuple(input_shape)}, "

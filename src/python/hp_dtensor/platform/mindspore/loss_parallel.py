@@ -57,6 +57,12 @@ class _MindSporeLossMath:
     def is_floating(self, t: Tensor) -> bool:
         return bool(t.is_floating_point())
 
+    def is_bool(self, t: Tensor) -> bool:
+        return bool(t.dtype == ms.bool_)
+
+    def as_index(self, t: Tensor) -> Tensor:
+        return t.astype(ms.int64)
+
     def requires_grad(self, t: Tensor) -> bool:
         # Gradients are taken by position (``value_and_grad``); a Parameter says whether it wants one.
         return bool(getattr(t, "requires_grad", False)) and isinstance(t, ms.Parameter)
@@ -72,7 +78,7 @@ class _MindSporeLossMath:
 
     def amax(self, t: Tensor, dim: int) -> Tensor:
         shape = list(self.shape(t))
-        if shape[dim] == 0:
+        if shape[dim] == 0 or 0 in shape:  # MindSpore's max refuses any empty input
             shape[dim] = 1
             return ops.full(tuple(shape), float("-inf"), dtype=t.dtype)
         return t.max(axis=dim, keepdims=True)

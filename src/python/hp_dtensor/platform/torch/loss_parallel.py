@@ -78,6 +78,12 @@ class _TorchLossMath:
     def is_floating(self, t: torch.Tensor) -> bool:
         return t.is_floating_point()
 
+    def is_bool(self, t: torch.Tensor) -> bool:
+        return t.dtype == torch.bool
+
+    def as_index(self, t: torch.Tensor) -> torch.Tensor:
+        return t.long()
+
     def requires_grad(self, t: torch.Tensor) -> bool:
         return t.requires_grad
 
@@ -180,9 +186,12 @@ def _class_sharded(x: Any, dim: int) -> bool:
 
 
 def _vocab_range(x: DTensor, dim: int) -> tuple[int, int]:
-    n = x._local_tensor.shape[dim]
-    start = x.device_mesh.get_local_rank() * n
-    return start, n
+    """(first class, class count) of this rank's slice: ``torch.chunk``'s split, so with an uneven
+    vocab the last ranks hold fewer classes (or none) and start at the global offset, not at
+    ``rank * local width``."""
+    mesh = x.device_mesh
+    v = kernel.vocab_slice(int(x.shape[dim]), mesh.size(0), mesh.get_local_rank())
+    return v.start, v.width
 
 
 def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
@@ -193,7 +202,7 @@ def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
 def _log_softmax(x: DTensor, dim: int, half_to_float: bool) -> Any:
     local = x._local_tensor
     mesh = x.device_mesh
-    row_max = _reduce(local.detach().amax(dim, keepdim=True), "max", mesh)
+    row_max = _reduce(_MATH.amax(local.detach(), dim), "max", mesh)
     shifted = local - row_max
     sum_exp = _reduce(shifted.exp().sum(dim, keepdim=True), "sum", mesh)
     return DTensor(shifted - sum_exp.log(), x._spec)
@@ -216,9 +225,9 @@ def _local_target(target: Any) -> torch.Tensor:
 
 def _picked(logp: DTensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     start, n = _vocab_range(logp, 1)
-    t = target - start
+    t = target.long() - start  # uint8 targets would wrap
     owned = (t >= 0) & (t < n) & (target != ignore_index)
-    idx = t.clamp(0, n - 1).unsqueeze(1)
+    idx = t.clamp(0, max(n - 1, 0)).unsqueeze(1)
     return idx, owned, target != ignore_index
 
 
@@ -233,7 +242,11 @@ def _nll_forward(logp: DTensor, target: Any, weight: Any, reduction: int, ignore
     tgt = _local_target(target)
     local = logp._local_tensor
     idx, owned, valid = _picked(logp, tgt, ignore_index)
-    per_row = -local.gather(1, idx).squeeze(1) * owned
+    # select, not multiply: a -inf log-prob of a class this rank does not own must not make NaN
+    if local.shape[1]:
+        per_row = (-local.gather(1, idx).squeeze(1)).masked_fill(~owned, 0.0)
+    else:
+        per_row = local.new_zeros(local.shape[0])
     per_row = _reduce(per_row, "sum", logp.device_mesh)
     count = valid.sum().to(local.dtype)
     mesh = logp.device_mesh
@@ -264,7 +277,8 @@ def _nll_backward(grad_out: Any, logp: DTensor, target: Any, weight: Any, reduct
     else:
         scale = g
     grad = torch.zeros_like(local)
-    grad.scatter_(1, idx, (-scale * owned).unsqueeze(1).to(local.dtype))
+    if local.shape[1]:  # a rank holding no class has no gradient to place
+        grad.scatter_(1, idx, (-scale * owned).unsqueeze(1).to(local.dtype))
     return DTensor(grad, logp._spec)
 
 
