@@ -85,12 +85,14 @@ class _MindSporeLossMath:
 
     def sum(self, t: Tensor, dim: int) -> Tensor:
         shape = list(self.shape(t))
-        if shape[dim] == 0:
+        if 0 in shape:  # MindSpore's sum over no elements is not 0 (uninitialized memory)
             shape[dim] = 1
             return ops.zeros(tuple(shape), t.dtype)
         return t.sum(axis=dim, keepdims=True)
 
     def total(self, t: Tensor) -> Tensor:
+        if 0 in self.shape(t):  # MindSpore's sum of an empty tensor reads uninitialized memory
+            return ops.zeros((), t.dtype)
         return t.sum()
 
     def exp(self, t: Tensor) -> Tensor:
@@ -139,9 +141,9 @@ class _MindSporeLossMath:
         return ops.gather(t, index.reshape(-1).astype(ms.int64), 0).reshape(self.shape(index))
 
     def first_value(self, t: Tensor, mask: Tensor) -> int | None:
-        if not bool(mask.any()):
-            return None
-        return int(t.asnumpy()[mask.asnumpy()].reshape(-1)[0])
+        # in numpy: MindSpore's ``any`` of an empty tensor is True
+        picked = t.asnumpy()[mask.asnumpy()].reshape(-1)
+        return int(picked[0]) if picked.size else None
 
 
 _MATH = _MindSporeLossMath()
