@@ -10,6 +10,7 @@ process (float64 unless the case is about a low-precision dtype):
 - bf16/fp16 logits against torch in the same dtype, 1e4-sized logits, empty batches,
   label_smoothing 1.0, all-zero class weights, every target ignored;
 - the separate ``log_softmax`` + ``nll_loss`` route with an uneven vocab and ranks holding no class;
+- ``torch.autocast``: the loss is computed in float32, as torch does;
 - misuse (bool / floating class-index targets, a weight or target that requires grad, (B, S, V)
   logits sharded on the last dim, Shard on both mesh dims): the same exception on every rank, and
   the ranks still in step afterwards.
@@ -268,3 +269,49 @@ def test_misuse_raises_the_same_error_on_every_rank(pool2: RankPool, pool4: Rank
                for m in res4[0]), res4[0]
     print(f"loss_parallel misuse: {len(res[0])} bad calls on 2 ranks, {len(res4[0])} on a 2x2 mesh, "
           f"same error on every rank")
+
+
+def _autocast(rank: int, world: int) -> list[tuple[str, float, str, float, float]]:
+    """bf16 / fp16 logits under ``torch.autocast``, ours against torch.distributed.tensor's own
+    ``loss_parallel`` (autocast runs cross_entropy in float32)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor as t_distribute
+    from torch.distributed.tensor import init_device_mesh as t_init_mesh
+    from torch.distributed.tensor.parallel import loss_parallel as t_loss_parallel
+
+    from hp_dtensor import CommDebugMode, Shard, distribute_tensor, init_device_mesh
+    from hp_tp import loss_parallel
+
+    mesh, tmesh = init_device_mesh("cpu", (world,)), t_init_mesh("cpu", (world,))
+    out = []
+    for seed, dtype in enumerate([torch.bfloat16, torch.float16, torch.bfloat16]):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(6, 64, generator=g) * 4).to(dtype)
+        t = torch.randint(0, 64, (6,), generator=g)
+        kw: dict[str, Any] = {"reduction": "sum"} if seed else {}  # what torch's loss_parallel supports here
+        d = distribute_tensor(x, mesh, [Shard(1)], src_data_rank=None).requires_grad_(True)
+        td = t_distribute(x, tmesh, [TShard(1)], src_data_rank=None).requires_grad_(True)
+        with torch.autocast("cpu", dtype=dtype):
+            with loss_parallel(), CommDebugMode() as comm:
+                ours = F.cross_entropy(d, t, **kw)
+            with t_loss_parallel():
+                theirs = F.cross_entropy(td, t, **kw)
+        with loss_parallel():
+            ours.backward()
+        with t_loss_parallel():
+            theirs.backward()
+        assert comm.get_comm_counts() == {"all_reduce": 2}
+        assert d.grad.dtype == dtype
+        out.append((str(ours.dtype), ours.full_tensor().item(), str(theirs.dtype), theirs.full_tensor().item(),
+                    (d.grad.full_tensor().float() - td.grad.full_tensor().float()).abs().max().item()))
+    return out
+
+
+def test_autocast_computes_in_float32_like_torch(pool2: RankPool) -> None:
+    for ours_dtype, ours, theirs_dtype, theirs, grad_diff in pool2.run(_autocast)[0]:
+        assert ours_dtype == theirs_dtype == "torch.float32"
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
+        assert grad_diff <= 1e-3, grad_diff
+    print("loss_parallel under autocast: 3 bf16/fp16 cases equal torch's loss_parallel in float32")

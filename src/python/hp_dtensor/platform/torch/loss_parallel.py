@@ -64,6 +64,10 @@ def _cross_entropy(input: DTensor, target: Any, weight: Any = None, size_average
                    label_smoothing: float = 0.0) -> DTensor:
     if size_average is not None or reduce is not None:
         reduction = rules.legacy_reduction(size_average, reduce)
+    # The mode sees the call before autocast does; autocast runs cross_entropy in float32 (torch's
+    # fp32 op list), so a bf16/fp16 loss under autocast would be less precise than torch's.
+    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(input.device.type):
+        input = input.float()  # type: ignore[assignment]
     return kernel.cross_entropy(  # type: ignore[no-any-return]
         _MATH, C.COLLECTIVES, _function, input, target, weight, ignore_index, reduction, label_smoothing
     )
