@@ -70,8 +70,9 @@ def _ms_losses(rank: int, world: int, calls):
     out = []
     for x, target, weight, smoothing, reduction in calls:
         w = None if weight is None else Tensor(weight)
+        t = Tensor(target)
 
-        def loss_fn(local, t=Tensor(target), w=w, smoothing=smoothing, reduction=reduction):
+        def loss_fn(local, t=t, w=w, smoothing=smoothing, reduction=reduction):
             loss = ops.cross_entropy(DTensor.from_local(local, mesh, [Shard(1)]), t, w, -100, reduction, smoothing)
             return loss.to_local().sum(), loss.to_local()
 
