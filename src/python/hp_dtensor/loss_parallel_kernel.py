@@ -166,7 +166,9 @@ def cross_entropy(
     local = input.to_local()
     n = mesh.size(call.vocab_mesh_dim)
     index = mesh.get_local_rank(call.vocab_mesh_dim)
-    vocab = vocab_slice(call.num_classes, n, index)
+    # the local width, not the chunk's: indices then stay in bounds on every rank even for a
+    # DTensor built by from_local(run_check=False) with pieces that are not torch.chunk's
+    vocab = VocabSlice(vocab_start(call.num_classes, n, index), m.shape(local)[call.class_dim])
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         tgt = m.as_index(tgt)
         # Targets are whole on every rank, so every rank gives the same answer here.
@@ -187,12 +189,11 @@ def cross_entropy(
     )
 
 
-def vocab_slice(num_classes: int, n: int, index: int) -> VocabSlice:
-    """The classes of the ``index``-th of ``n`` vocab ranks (``torch.chunk``: the last ranks may
-    hold fewer, or none)."""
-    chunk = -(-num_classes // n)
-    start = min(num_classes, index * chunk)
-    return VocabSlice(start, min(num_classes, start + chunk) - start)
+def vocab_start(num_classes: int, n: int, index: int) -> int:
+    """The first class of the ``index``-th of ``n`` vocab ranks: ``torch.chunk``'s split, so with an
+    uneven vocab the last ranks hold fewer classes (or none), and a rank's offset is not ``index``
+    times its own width."""
+    return min(num_classes, index * -(-num_classes // n))
 
 
 def _whole(m: LossMath, t: Any) -> Any:

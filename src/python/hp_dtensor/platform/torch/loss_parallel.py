@@ -190,12 +190,10 @@ def _class_sharded(x: Any, dim: int) -> bool:
 
 
 def _vocab_range(x: DTensor, dim: int) -> tuple[int, int]:
-    """(first class, class count) of this rank's slice: ``torch.chunk``'s split, so with an uneven
-    vocab the last ranks hold fewer classes (or none) and start at the global offset, not at
-    ``rank * local width``."""
+    """(first class, class count) of this rank's slice (the local width keeps indices in bounds)."""
     mesh = x.device_mesh
-    v = kernel.vocab_slice(int(x.shape[dim]), mesh.size(0), mesh.get_local_rank())
-    return v.start, v.width
+    start = kernel.vocab_start(int(x.shape[dim]), mesh.size(0), mesh.get_local_rank())
+    return start, int(x._local_tensor.shape[dim])
 
 
 def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
