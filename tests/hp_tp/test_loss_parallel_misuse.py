@@ -315,3 +315,47 @@ def test_autocast_computes_in_float32_like_torch(pool2: RankPool) -> None:
         assert abs(ours - theirs) <= 1e-5 * abs(theirs), (ours, theirs)
         assert grad_diff <= 1e-3, grad_diff
     print("loss_parallel under autocast: 3 bf16/fp16 cases equal torch's loss_parallel in float32")
+
+
+def _one_rank_wrong(rank: int, world: int) -> list[str]:
+    """Per-rank plain arguments that are wrong on one rank only (an unseeded target, a weight built
+    from local data): every rank raises, none is left waiting in the all_reduce."""
+    import torch
+    import torch.nn.functional as F
+
+    from hp_dtensor import Shard, distribute_tensor, init_device_mesh
+    from hp_tp import loss_parallel
+
+    mesh = init_device_mesh("cpu", (world,))
+    logits = distribute_tensor(torch.randn(4, 8), mesh, [Shard(1)], src_data_rank=None)
+    good = torch.tensor([1, 2, 3, 4])
+    last = rank == world - 1
+    calls = [
+        lambda: F.cross_entropy(logits, torch.tensor([1, 2, 8, 4]) if last else good),
+        lambda: F.cross_entropy(logits, good[:3] if last else good),
+        lambda: F.cross_entropy(logits, good, weight=torch.ones(7 if last else 8)),
+        lambda: F.cross_entropy(logits, good, reduction="avg" if last else "mean"),
+        lambda: F.cross_entropy(logits, good > 2 if last else good),
+        lambda: F.cross_entropy(logits, good, weight=torch.ones(8, requires_grad=last)),
+    ]
+    msgs = []
+    with loss_parallel():
+        for call in calls:
+            try:
+                call()
+                msgs.append("no error")
+            except Exception as e:  # noqa: BLE001  (the type is part of what is checked)
+                msgs.append(f"{type(e).__name__}: {e}")
+        loss = F.cross_entropy(logits, good)  # the ranks are still in step: a good call works
+    msgs.append(f"then: {loss.full_tensor().item():.6f}")
+    return msgs
+
+
+def test_arguments_wrong_on_one_rank_raise_everywhere(pool2: RankPool) -> None:
+    res = pool2.run(_one_rank_wrong, timeout=60)
+    ok_rank, bad_rank = res
+    assert ok_rank[-1] == bad_rank[-1] and ok_rank[-1].startswith("then: ")
+    for ok, bad in zip(ok_rank[:-1], bad_rank[:-1]):
+        assert ok.startswith("OtherRanksFailed: loss_parallel") and "same target" in ok, ok
+        assert bad != "no error" and not bad.startswith("OtherRanksFailed"), bad
+    print(f"loss_parallel: {len(ok_rank) - 1} calls wrong on one rank only raise on both ranks")

@@ -1,8 +1,9 @@
 """Vocab-parallel cross entropy, written once for every backend.
 
 Logits whose class dim is sharded over one mesh dim (replicated over the others) are never
-gathered.  Forward issues two all_reduces over the vocab ranks: the row max, then the row sums
-stacked into one tensor (sum of exp, the target's shifted logit, the label-smoothing sum; for
+gathered.  Forward issues two all_reduces over the vocab ranks: the row max (with one more
+element: whether any rank's arguments failed their checks), then the row sums stacked into one
+tensor (sum of exp, the target's shifted logit, the label-smoothing sum when smoothing; for
 class-probability targets the target-weighted sums).  Every rank then holds the same loss.  The
 backward is local: the softmax gradient is folded into the loss gradient, so each rank computes
 its own slice's gradient from the row sums it already has.
@@ -10,9 +11,11 @@ its own slice's gradient from the row sums it already has.
 The result is ``torch.nn.functional.cross_entropy``'s on the whole logits, over its whole argument
 surface: ``(N, C, d1, ...)`` or ``(C,)`` logits, class-index or class-probability targets,
 ``weight``, ``ignore_index``, ``label_smoothing`` and every ``reduction``.  Arguments are checked
-(``loss_parallel_rules``) on every rank before any collective.  A backend supplies how a call is
-intercepted, its tensor primitives (``LossMath``) and how a forward/backward pair becomes a
-differentiable function.
+(``loss_parallel_rules``) on every rank: the logits' layout before any collective, the per-rank
+target/weight/options before the loss, with the verdict shared by the row-max all_reduce, so a
+rank whose arguments alone are wrong makes every rank raise instead of leaving them waiting.  A
+backend supplies how a call is intercepted, its tensor primitives (``LossMath``) and how a
+forward/backward pair becomes a differentiable function.
 """
 
 from __future__ import annotations
@@ -75,6 +78,10 @@ class LossMath(Protocol):
         ...
 
     def clamp(self, t: Any, low: int, high: int) -> Any: ...
+
+    def full(self, like: Any, n: int, value: float) -> Any:
+        """A 1-D tensor of ``n`` elements equal to ``value``, in ``like``'s dtype."""
+        ...
 
     def cat(self, ts: list[Any], dim: int) -> Any: ...
 
@@ -151,19 +158,60 @@ def cross_entropy(
     label_smoothing: float = 0.0,
 ) -> Any:
     """``F.cross_entropy`` on class-sharded DTensor logits; a replicated DTensor loss."""
+    input_shape = tuple(int(n) for n in input._spec.shape)
+    # The layout is the DTensor's spec, the same on every rank: a bad one raises here, everywhere.
+    cdim, vocab_mesh_dim = rules.check_layout(input_shape, tuple(input.placements))
+    mesh = input.device_mesh
+    local = input.to_local()
+
+    def reduce(t: Any, op: ReduceOp) -> Any:
+        return reduce_over(t, mesh, (vocab_mesh_dim,), op, collectives)
+
+    # The target, weight and options are plain per-rank values: normally the same everywhere, but a
+    # rank whose check fails alone must not leave the others waiting in the all_reduce.  Whether
+    # this rank failed rides on the row-max all_reduce (no extra collective); if any rank failed,
+    # every rank raises (the failed ones their own error, the others ``OtherRanksFailed``).
+    error: Exception | None = None
+    try:
+        call, tgt, w, vocab = _checked(m, input_shape, input.placements, local, mesh, target, weight,
+                                       ignore_index, reduction, label_smoothing)
+    except Exception as e:  # noqa: BLE001 -- any error, even a bug, must reach the other ranks
+        error = e
+    row_max = m.amax(m.detach(local), cdim)
+    rows = m.shape(row_max)
+    flat = m.reshape(row_max, (-1,))
+    k = m.shape(flat)[0]
+    agreed = reduce(m.cat([flat, m.full(flat, 1, float(error is not None))], 0), "max")
+    if error is not None:
+        raise error
+    if float(m.total(m.narrow(agreed, 0, k, 1))) > 0:
+        raise rules.other_ranks_failed()
+    row_max = m.reshape(m.narrow(agreed, 0, 0, k), rows)
+
+    def fwd(x: Any, t: Any, wt: Any) -> tuple[Any, _Saved]:
+        return forward(m, x, t, wt, call, ignore_index, vocab, reduce, row_max)
+
+    loss = function(fwd, lambda saved, grad: backward(m, saved, grad))(local, tgt, w)
+    return type(input).from_local(  # type: ignore[attr-defined]
+        loss, mesh, [Replicate()] * mesh.ndim, run_check=False
+    )
+
+
+def _checked(
+    m: LossMath, input_shape: tuple[int, ...], placements: Any, local: Any, mesh: Any, target: Any,
+    weight: Any, ignore_index: int, reduction: str, label_smoothing: float,
+) -> tuple[rules.CrossEntropyCall, Any, Any, VocabSlice]:
+    """This rank's checks of the per-rank arguments: (the call, target, weight, vocab slice)."""
     tgt = _whole(m, target)
     w = None if weight is None else _whole(m, weight)
-    input_shape = tuple(int(n) for n in input._spec.shape)
     call = rules.check_cross_entropy(
-        input_shape, tuple(input.placements), m.shape(tgt), m.is_floating(tgt),
+        input_shape, tuple(placements), m.shape(tgt), m.is_floating(tgt),
         None if w is None else m.shape(w), reduction, label_smoothing, target_is_bool=m.is_bool(tgt),
     )
     if (w is not None and m.requires_grad(w)) or (m.is_floating(tgt) and m.requires_grad(tgt)):
         raise NotImplementedError(
             "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
         )
-    mesh = input.device_mesh
-    local = input.to_local()
     n = mesh.size(call.vocab_mesh_dim)
     index = mesh.get_local_rank(call.vocab_mesh_dim)
     # the local width, not the chunk's: indices then stay in bounds on every rank even for a
@@ -171,22 +219,11 @@ def cross_entropy(
     vocab = VocabSlice(vocab_start(call.num_classes, n, index), m.shape(local)[call.class_dim])
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         tgt = m.as_index(tgt)
-        # Targets are whole on every rank, so every rank gives the same answer here.
         bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
         rules.check_target_range(m.first_value(tgt, bad))
     else:
         tgt = m.narrow(tgt, call.class_dim, vocab.start, vocab.width)
-
-    def reduce(t: Any, op: ReduceOp) -> Any:
-        return reduce_over(t, mesh, (call.vocab_mesh_dim,), op, collectives)
-
-    def fwd(x: Any, t: Any, wt: Any) -> tuple[Any, _Saved]:
-        return forward(m, x, t, wt, call, ignore_index, vocab, reduce)
-
-    loss = function(fwd, lambda saved, grad: backward(m, saved, grad))(local, tgt, w)
-    return type(input).from_local(  # type: ignore[attr-defined]
-        loss, mesh, [Replicate()] * mesh.ndim, run_check=False
-    )
+    return call, tgt, w, vocab
 
 
 def vocab_start(num_classes: int, n: int, index: int) -> int:
@@ -221,8 +258,10 @@ def forward(
     ignore_index: int,
     vocab: VocabSlice,
     reduce: Callable[[Any, ReduceOp], Any],
+    row_max: Any,
 ) -> tuple[Any, _Saved]:
-    """The loss from this rank's logits slice ``x`` (two all_reduces through ``reduce``)."""
+    """The loss from this rank's logits slice ``x`` and the row max over every vocab rank
+    (reduced by the caller); one more all_reduce through ``reduce``."""
     cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
     ndim = len(m.shape(x))
     start, width = vocab.start, vocab.width
@@ -231,7 +270,7 @@ def forward(
         w_local = _class_view(m, m.cast(m.narrow(weight, 0, start, width), x), cdim, ndim)
     xd = m.detach(x)
     # The shift cancels in the gradient, so the max is a constant (no gradient through it).
-    shifted = xd - reduce(m.amax(xd, cdim), "max")
+    shifted = xd - row_max
     sum_exp_local = m.sum(m.exp(shifted), cdim)
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         valid = target != ignore_index

@@ -161,3 +161,32 @@ def test_misuse_raises_the_same_error_on_every_rank(pool: RankPool) -> None:
     assert float_t.startswith("RuntimeError: loss_parallel") and "target.long()" in float_t
     assert weight_param.startswith("NotImplementedError")
     assert restored == "restored: True"
+
+
+def _one_rank_wrong(rank: int, world: int) -> list[str]:
+    """A target wrong on one rank only (unseeded data): every rank raises, none waits forever."""
+    from mindspore import Tensor, ops
+
+    from hp_dtensor import DTensor, Shard, init_device_mesh, loss_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    x = DTensor.from_local(Tensor(np.ones((4, 4), np.float32)), mesh, [Shard(1)])
+    good = np.array([1, 2, 3, 4])
+    last = rank == world - 1
+    msgs = []
+    with loss_parallel():
+        for target in (np.array([1, 2, 8, 4]) if last else good, good[:3] if last else good):
+            try:
+                ops.cross_entropy(x, Tensor(target))
+                msgs.append("no error")
+            except Exception as e:  # noqa: BLE001  (the type is part of what is checked)
+                msgs.append(f"{type(e).__name__}: {e}")
+        msgs.append(f"then: {float(ops.cross_entropy(x, Tensor(good)).to_local().asnumpy()):.6f}")
+    return msgs
+
+
+def test_arguments_wrong_on_one_rank_raise_everywhere(pool: RankPool) -> None:
+    ok_rank, bad_rank = pool.run(_one_rank_wrong, timeout=60)
+    assert ok_rank[-1] == bad_rank[-1]
+    assert all(m.startswith("OtherRanksFailed: loss_parallel") for m in ok_rank[:-1]), ok_rank
+    assert bad_rank[0] == "IndexError: Target 8 is out of bounds." and bad_rank[1].startswith("ValueError"), bad_rank

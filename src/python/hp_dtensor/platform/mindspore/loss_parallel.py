@@ -113,6 +113,9 @@ class _MindSporeLossMath:
     def clamp(self, t: Tensor, low: int, high: int) -> Tensor:
         return ops.clamp(t, low, high)
 
+    def full(self, like: Tensor, n: int, value: float) -> Tensor:
+        return ops.full((n,), value, dtype=like.dtype)
+
     def cat(self, ts: list[Tensor], dim: int) -> Tensor:
         return ops.cat(ts, dim)
 

@@ -131,6 +131,9 @@ class _TorchLossMath:
     def clamp(self, t: torch.Tensor, low: int, high: int) -> torch.Tensor:
         return t.clamp(low, high)
 
+    def full(self, like: torch.Tensor, n: int, value: float) -> torch.Tensor:
+        return like.new_full((n,), value)
+
     def cat(self, ts: list[torch.Tensor], dim: int) -> torch.Tensor:
         return torch.cat(ts, dim)
 
