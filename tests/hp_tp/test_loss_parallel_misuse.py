@@ -236,6 +236,9 @@ def _misuse(rank: int, world: int) -> list[str]:
         lambda: F.cross_entropy(logits, torch.rand(4, 8, requires_grad=True)),
         lambda: F.cross_entropy(seq, torch.zeros(2, 3, dtype=torch.long)),
         lambda: F.cross_entropy(distribute_tensor(torch.randn(4, 8), mesh, [Replicate()]), good),
+        # log_softmax + nll_loss: a target no rank owns must not silently add 0
+        lambda: F.nll_loss(F.log_softmax(logits, 1), torch.tensor([1, 2, 8, 4])),
+        lambda: F.nll_loss(F.log_softmax(logits, 1), torch.tensor([1, -5, 3, 4]), reduction="sum"),
     ]
     if world == 4:
         mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -257,7 +260,9 @@ def _misuse(rank: int, world: int) -> list[str]:
 def test_misuse_raises_the_same_error_on_every_rank(pool2: RankPool, pool4: RankPool) -> None:
     res = pool2.run(_misuse)
     assert res[0] == res[1]
-    bool_t, float_t, weight_grad, target_grad, seq, replicated = res[0]
+    bool_t, float_t, weight_grad, target_grad, seq, replicated, nll_high, nll_negative = res[0]
+    assert nll_high == "IndexError: Target 8 is out of bounds."
+    assert nll_negative == "IndexError: Target -5 is out of bounds."
     assert bool_t.startswith("RuntimeError: loss_parallel") and "bool target" in bool_t
     assert float_t.startswith("RuntimeError: loss_parallel") and "target.long()" in float_t
     assert weight_grad.startswith("NotImplementedError") and target_grad == weight_grad

@@ -238,13 +238,19 @@ def _picked(logp: DTensor, target: torch.Tensor, ignore_index: int) -> tuple[tor
 
 def _nll_forward(logp: DTensor, target: Any, weight: Any, reduction: int, ignore_index: int) -> Any:
     if weight is not None:
-        raise NotImplementedError("loss_parallel does not support class weights in cross_entropy")
+        raise NotImplementedError(
+            "loss_parallel does not support class weights in nll_loss after log_softmax; "
+            "call F.cross_entropy(logits, target, weight=...) instead"
+        )
     if logp.ndim != 2:
         raise NotImplementedError(
             f"loss_parallel expects logits flattened to (tokens, vocab), got {logp.ndim}-D; "
             f"use logits.flatten(0, -2) and target.flatten()"
         )
     tgt = _local_target(target)
+    # an out-of-range target would be owned by no rank and silently add 0 to the loss
+    bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= logp.shape[1]))
+    rules.check_target_range(_MATH.first_value(tgt, bad))
     local = logp._local_tensor
     idx, owned, valid = _picked(logp, tgt, ignore_index)
     # select, not multiply: a -inf log-prob of a class this rank does not own must not make NaN
