@@ -168,23 +168,31 @@ def cross_entropy(
         return reduce_over(t, mesh, (vocab_mesh_dim,), op, collectives)
 
     # The target, weight and options are plain per-rank values: normally the same everywhere, but a
-    # rank whose check fails alone must not leave the others waiting in the all_reduce.  Whether
-    # this rank failed rides on the row-max all_reduce (no extra collective); if any rank failed,
-    # every rank raises (the failed ones their own error, the others ``OtherRanksFailed``).
+    # rank whose check fails alone must not leave the others waiting in the all_reduce.  This
+    # rank's verdict (its checks failed, or a class index is out of range: counted on the device)
+    # rides on the row-max all_reduce, so there is no extra collective and one host sync in all.
+    # If any rank failed, every rank raises: the failed ones their own error (torch's, when every
+    # rank was given the same arguments), the others ``OtherRanksFailed``.
     error: Exception | None = None
+    bad = None
     try:
-        call, tgt, w, vocab = _checked(m, input_shape, input.placements, local, mesh, target, weight,
-                                       ignore_index, reduction, label_smoothing)
+        call, tgt, w, vocab, bad = _checked(m, input_shape, input.placements, local, mesh, target, weight,
+                                            ignore_index, reduction, label_smoothing)
     except Exception as e:  # noqa: BLE001 -- any error, even a bug, must reach the other ranks
         error = e
     row_max = m.amax(m.detach(local), cdim)
     rows = m.shape(row_max)
     flat = m.reshape(row_max, (-1,))
     k = m.shape(flat)[0]
-    agreed = reduce(m.cat([flat, m.full(flat, 1, float(error is not None))], 0), "max")
-    if error is not None:
-        raise error
+    verdict = m.full(flat, 1, 0.0 if error is None else 1.0)
+    if bad is not None:
+        verdict = verdict + m.reshape(m.total(m.cast(bad, flat)), (1,))
+    agreed = reduce(m.cat([flat, verdict], 0), "max")
     if float(m.total(m.narrow(agreed, 0, k, 1))) > 0:
+        if error is not None:
+            raise error
+        if bad is not None:
+            rules.check_target_range(m.first_value(tgt, bad))
         raise rules.other_ranks_failed()
     row_max = m.reshape(m.narrow(agreed, 0, 0, k), rows)
 
@@ -200,8 +208,10 @@ def cross_entropy(
 def _checked(
     m: LossMath, input_shape: tuple[int, ...], placements: Any, local: Any, mesh: Any, target: Any,
     weight: Any, ignore_index: int, reduction: str, label_smoothing: float,
-) -> tuple[rules.CrossEntropyCall, Any, Any, VocabSlice]:
-    """This rank's checks of the per-rank arguments: (the call, target, weight, vocab slice)."""
+) -> tuple[rules.CrossEntropyCall, Any, Any, VocabSlice, Any]:
+    """This rank's checks of the per-rank arguments: (the call, target, weight, vocab slice, the
+    mask of out-of-range class indices or None).  The mask is checked after the all_reduce that
+    shares the verdict, so the host syncs once."""
     tgt = _whole(m, target)
     w = None if weight is None else _whole(m, weight)
     call = rules.check_cross_entropy(
@@ -220,10 +230,8 @@ def _checked(
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         tgt = m.as_index(tgt)
         bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
-        rules.check_target_range(m.first_value(tgt, bad))
-    else:
-        tgt = m.narrow(tgt, call.class_dim, vocab.start, vocab.width)
-    return call, tgt, w, vocab
+        return call, tgt, w, vocab, bad
+    return call, m.narrow(tgt, call.class_dim, vocab.start, vocab.width), w, vocab, None
 
 
 def vocab_start(num_classes: int, n: int, index: int) -> int:
