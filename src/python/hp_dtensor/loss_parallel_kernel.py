@@ -1,8 +1,9 @@
 """Vocab-parallel cross entropy, written once for every backend.
 
 Logits whose class dim is sharded over one mesh dim (replicated over the others) are never
-gathered.  Forward issues two all_reduces over the vocab ranks: the row max, then the row sums
-stacked into one tensor (sum of exp, the target's shifted logit, the label-smoothing sum; for
+gathered.  Forward issues two all_reduces over the vocab ranks: the row max (with one more
+element: whether any rank's arguments failed their checks), then the row sums stacked into one
+tensor (sum of exp, the target's shifted logit, the label-smoothing sum when smoothing; for
 class-probability targets the target-weighted sums).  Every rank then holds the same loss.  The
 backward is local: the softmax gradient is folded into the loss gradient, so each rank computes
 its own slice's gradient from the row sums it already has.
@@ -10,9 +11,11 @@ its own slice's gradient from the row sums it already has.
 The result is ``torch.nn.functional.cross_entropy``'s on the whole logits, over its whole argument
 surface: ``(N, C, d1, ...)`` or ``(C,)`` logits, class-index or class-probability targets,
 ``weight``, ``ignore_index``, ``label_smoothing`` and every ``reduction``.  Arguments are checked
-(``loss_parallel_rules``) on every rank before any collective.  A backend supplies how a call is
-intercepted, its tensor primitives (``LossMath``) and how a forward/backward pair becomes a
-differentiable function.
+(``loss_parallel_rules``) on every rank: the logits' layout before any collective, the per-rank
+target/weight/options before the loss, with the verdict shared by the row-max all_reduce, so a
+rank whose arguments alone are wrong makes every rank raise instead of leaving them waiting.  A
+backend supplies how a call is intercepted, its tensor primitives (``LossMath``) and how a
+forward/backward pair becomes a differentiable function.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class LossMath(Protocol):
     def is_tensor(self, x: Any) -> bool: ...
 
     def is_floating(self, t: Any) -> bool: ...
+
+    def is_bool(self, t: Any) -> bool: ...
+
+    def as_index(self, t: Any) -> Any:
+        """An integer tensor as int64 (``uint8`` class indices must not wrap when shifted)."""
+        ...
 
     def requires_grad(self, t: Any) -> bool: ...
 
@@ -69,6 +78,10 @@ class LossMath(Protocol):
         ...
 
     def clamp(self, t: Any, low: int, high: int) -> Any: ...
+
+    def full(self, like: Any, n: int, value: float) -> Any:
+        """A 1-D tensor of ``n`` elements equal to ``value``, in ``like``'s dtype."""
+        ...
 
     def cat(self, ts: list[Any], dim: int) -> Any: ...
 
@@ -145,39 +158,87 @@ def cross_entropy(
     label_smoothing: float = 0.0,
 ) -> Any:
     """``F.cross_entropy`` on class-sharded DTensor logits; a replicated DTensor loss."""
-    tgt = _whole(m, target)
-    w = None if weight is None else _whole(m, weight)
     input_shape = tuple(int(n) for n in input._spec.shape)
-    call = rules.check_cross_entropy(
-        input_shape, tuple(input.placements), m.shape(tgt), m.is_floating(tgt),
-        None if w is None else m.shape(w), reduction, label_smoothing,
-    )
-    if (w is not None and m.requires_grad(w)) or (m.is_floating(tgt) and m.requires_grad(tgt)):
-        raise NotImplementedError(
-            "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
-        )
+    # The layout is the DTensor's spec, the same on every rank: a bad one raises here, everywhere.
+    cdim, vocab_mesh_dim = rules.check_layout(input_shape, tuple(input.placements))
     mesh = input.device_mesh
     local = input.to_local()
-    n = mesh.size(call.vocab_mesh_dim)
-    index = mesh.get_local_rank(call.vocab_mesh_dim)
-    vocab = VocabSlice(min(call.num_classes, index * -(-call.num_classes // n)), m.shape(local)[call.class_dim])
-    if call.target_kind is rules.TargetKind.CLASS_INDEX:
-        # Targets are whole on every rank, so every rank gives the same answer here.
-        bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
-        rules.check_target_range(m.first_value(tgt, bad))
-    else:
-        tgt = m.narrow(tgt, call.class_dim, vocab.start, vocab.width)
 
     def reduce(t: Any, op: ReduceOp) -> Any:
-        return reduce_over(t, mesh, (call.vocab_mesh_dim,), op, collectives)
+        return reduce_over(t, mesh, (vocab_mesh_dim,), op, collectives)
+
+    # The target, weight and options are plain per-rank values: normally the same everywhere, but a
+    # rank whose check fails alone must not leave the others waiting in the all_reduce.  This
+    # rank's verdict (its checks failed, or a class index is out of range: counted on the device)
+    # rides on the row-max all_reduce, so there is no extra collective and one host sync in all.
+    # If any rank failed, every rank raises: the failed ones their own error (torch's, when every
+    # rank was given the same arguments), the others ``OtherRanksFailed``.
+    error: Exception | None = None
+    bad = None
+    try:
+        call, tgt, w, vocab, bad = _checked(m, input_shape, input.placements, local, mesh, target, weight,
+                                            ignore_index, reduction, label_smoothing)
+    except Exception as e:  # noqa: BLE001 -- any error, even a bug, must reach the other ranks
+        error = e
+    row_max = m.amax(m.detach(local), cdim)
+    rows = m.shape(row_max)
+    flat = m.reshape(row_max, (-1,))
+    k = m.shape(flat)[0]
+    verdict = m.full(flat, 1, 0.0 if error is None else 1.0)
+    if bad is not None:
+        verdict = verdict + m.reshape(m.total(m.cast(bad, flat)), (1,))
+    agreed = reduce(m.cat([flat, verdict], 0), "max")
+    if float(m.total(m.narrow(agreed, 0, k, 1))) > 0:
+        if error is not None:
+            raise error
+        if bad is not None:
+            rules.check_target_range(m.first_value(tgt, bad))
+        raise rules.other_ranks_failed()
+    row_max = m.reshape(m.narrow(agreed, 0, 0, k), rows)
 
     def fwd(x: Any, t: Any, wt: Any) -> tuple[Any, _Saved]:
-        return forward(m, x, t, wt, call, ignore_index, vocab, reduce)
+        return forward(m, x, t, wt, call, ignore_index, vocab, reduce, row_max)
 
     loss = function(fwd, lambda saved, grad: backward(m, saved, grad))(local, tgt, w)
     return type(input).from_local(  # type: ignore[attr-defined]
         loss, mesh, [Replicate()] * mesh.ndim, run_check=False
     )
+
+
+def _checked(
+    m: LossMath, input_shape: tuple[int, ...], placements: Any, local: Any, mesh: Any, target: Any,
+    weight: Any, ignore_index: int, reduction: str, label_smoothing: float,
+) -> tuple[rules.CrossEntropyCall, Any, Any, VocabSlice, Any]:
+    """This rank's checks of the per-rank arguments: (the call, target, weight, vocab slice, the
+    mask of out-of-range class indices or None).  The mask is checked after the all_reduce that
+    shares the verdict, so the host syncs once."""
+    tgt = _whole(m, target)
+    w = None if weight is None else _whole(m, weight)
+    call = rules.check_cross_entropy(
+        input_shape, tuple(placements), m.shape(tgt), m.is_floating(tgt),
+        None if w is None else m.shape(w), reduction, label_smoothing, target_is_bool=m.is_bool(tgt),
+    )
+    if (w is not None and m.requires_grad(w)) or (m.is_floating(tgt) and m.requires_grad(tgt)):
+        raise NotImplementedError(
+            "loss_parallel computes no gradient for cross_entropy's weight or target; detach them"
+        )
+    n = mesh.size(call.vocab_mesh_dim)
+    index = mesh.get_local_rank(call.vocab_mesh_dim)
+    # the local width, not the chunk's: indices then stay in bounds on every rank even for a
+    # DTensor built by from_local(run_check=False) with pieces that are not torch.chunk's
+    vocab = VocabSlice(vocab_start(call.num_classes, n, index), m.shape(local)[call.class_dim])
+    if call.target_kind is rules.TargetKind.CLASS_INDEX:
+        tgt = m.as_index(tgt)
+        bad = m.logical_and(tgt != ignore_index, m.logical_or(tgt < 0, tgt >= call.num_classes))
+        return call, tgt, w, vocab, bad
+    return call, m.narrow(tgt, call.class_dim, vocab.start, vocab.width), w, vocab, None
+
+
+def vocab_start(num_classes: int, n: int, index: int) -> int:
+    """The first class of the ``index``-th of ``n`` vocab ranks: ``torch.chunk``'s split, so with an
+    uneven vocab the last ranks hold fewer classes (or none), and a rank's offset is not ``index``
+    times its own width."""
+    return min(num_classes, index * -(-num_classes // n))
 
 
 def _whole(m: LossMath, t: Any) -> Any:
@@ -205,8 +266,10 @@ def forward(
     ignore_index: int,
     vocab: VocabSlice,
     reduce: Callable[[Any, ReduceOp], Any],
+    row_max: Any,
 ) -> tuple[Any, _Saved]:
-    """The loss from this rank's logits slice ``x`` (two all_reduces through ``reduce``)."""
+    """The loss from this rank's logits slice ``x`` and the row max over every vocab rank
+    (reduced by the caller); one more all_reduce through ``reduce``."""
     cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
     ndim = len(m.shape(x))
     start, width = vocab.start, vocab.width
@@ -215,7 +278,7 @@ def forward(
         w_local = _class_view(m, m.cast(m.narrow(weight, 0, start, width), x), cdim, ndim)
     xd = m.detach(x)
     # The shift cancels in the gradient, so the max is a constant (no gradient through it).
-    shifted = xd - reduce(m.amax(xd, cdim), "max")
+    shifted = xd - row_max
     sum_exp_local = m.sum(m.exp(shifted), cdim)
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         valid = target != ignore_index
@@ -223,12 +286,16 @@ def forward(
         t = m.unsqueeze(target - start, cdim)
         owned = m.logical_and(m.unsqueeze(valid, cdim), m.logical_and(t >= 0, t < width))
         index = m.clamp(t, 0, max(width - 1, 0))
+        # Masks select (``where``), never multiply: a -inf logit times a 0 mask is NaN, and the
+        # logits of a row another rank owns, or of an ignored row, must not reach the loss.
         if width:
-            picked = m.gather(shifted, cdim, index) * m.cast(owned, x)
+            picked = m.where(owned, m.gather(shifted, cdim, index), 0.0)
         else:
             picked = sum_exp_local * 0.0  # no classes here: nothing picked (shape of a row sum)
-        smooth = m.sum(shifted if w_local is None else shifted * w_local, cdim)
-        sum_exp, picked, smooth = m.unbind(reduce(m.cat([sum_exp_local, picked, smooth], cdim), "sum"), cdim)
+        sums = [sum_exp_local, picked]
+        if eps:  # without smoothing the class sum is not needed (and a -inf logit makes it -inf)
+            sums.append(m.sum(shifted if w_local is None else shifted * w_local, cdim))
+        sum_exp, picked, *smooth = m.unbind(reduce(m.cat(sums, cdim), "sum"), cdim)
         lse = m.log(sum_exp)
         w_total: Any
         if weight is None:
@@ -237,7 +304,11 @@ def forward(
             w_full = m.cast(weight, x)
             w_rows = m.take(w_full, m.where(valid, target, 0)) * valid_f
             w_total = m.total(w_full)
-        per = (1 - eps) * (lse - picked) * w_rows + (eps / nc) * (lse * w_total - smooth) * valid_f
+        per = (1 - eps) * (lse - picked) * w_rows
+        if eps:
+            per = per + (eps / nc) * (lse * w_total - smooth[0])
+        # An ignored row adds exactly 0 whatever its logits hold (NaN or inf padding), as in torch.
+        per = m.where(valid, per, 0.0)
         saved = _Saved(call, width, shifted, lse, m.total(w_rows), valid=valid, index=index,
                        owned=m.cast(owned, x), w_rows=w_rows, w_local=w_local, w_total=w_total)
     else:

@@ -60,22 +60,13 @@ def class_dim_of(ndim: int) -> int:
     return 0 if ndim == 1 else 1
 
 
-def check_cross_entropy(
-    input_shape: Sequence[int],
-    placements: Sequence[Placement],
-    target_shape: Sequence[int],
-    target_is_floating: bool,
-    weight_shape: Sequence[int] | None,
-    reduction: str,
-    label_smoothing: float,
-) -> CrossEntropyCall:
-    """Check one call; raise the error torch raises (or a ``ValueError`` naming loss_parallel)."""
+def check_layout(input_shape: Sequence[int], placements: Sequence[Placement]) -> tuple[int, int]:
+    """(class dim, the mesh dim holding the vocab) of DTensor logits, or the ``ValueError`` for a
+    layout loss_parallel cannot compute.  It reads only the DTensor's spec, which every rank
+    shares, so every rank raises alike here before any collective."""
     ndim = len(input_shape)
     if ndim == 0:
         raise ValueError("loss_parallel: cross_entropy needs logits with a class dim, got a 0-D tensor")
-    red = parse_reduction(reduction)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
     cdim = class_dim_of(ndim)
     shard_dims = [k for k, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim == cdim]
     others = [p for k, p in enumerate(placements) if k not in shard_dims]
@@ -92,10 +83,40 @@ def check_cross_entropy(
             f"{tuple(input_shape)}) on one mesh dim and replicated on the others, got placements "
             f"{tuple(placements)}{hint}"
         )
+    return cdim, shard_dims[0]
+
+
+def check_cross_entropy(
+    input_shape: Sequence[int],
+    placements: Sequence[Placement],
+    target_shape: Sequence[int],
+    target_is_floating: bool,
+    weight_shape: Sequence[int] | None,
+    reduction: str,
+    label_smoothing: float,
+    *,
+    target_is_bool: bool = False,
+) -> CrossEntropyCall:
+    """Check one call; raise the error torch raises (or a ``ValueError`` naming loss_parallel)."""
+    red = parse_reduction(reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    cdim, vocab_mesh_dim = check_layout(input_shape, placements)
     num_classes = int(input_shape[cdim])
     batch = tuple(int(n) for i, n in enumerate(input_shape) if i != cdim)
+    if target_is_bool:
+        raise RuntimeError(
+            "loss_parallel: cross_entropy expects class indices as an integer tensor or class "
+            "probabilities as a floating one, got a bool target; pass target.long()"
+        )
     if target_is_floating:
         kind = TargetKind.PROBABILITY
+        if tuple(target_shape) == batch and tuple(target_shape) != tuple(input_shape):
+            raise RuntimeError(
+                f"loss_parallel: a floating target is read as class probabilities, which need the logits' "
+                f"shape {tuple(input_shape)}, got {tuple(target_shape)}; pass class indices as an integer "
+                f"tensor (target.long())"
+            )
         if tuple(target_shape) != tuple(input_shape):
             raise RuntimeError(
                 f"loss_parallel: class-probability targets must have the logits' shape {tuple(input_shape)}, "
@@ -104,7 +125,7 @@ def check_cross_entropy(
     else:
         kind = TargetKind.CLASS_INDEX
         if tuple(target_shape) != batch:
-            if ndim >= 2 and len(target_shape) >= 1 and len(target_shape) == len(batch) == 1:
+            if len(input_shape) >= 2 and len(target_shape) >= 1 and len(target_shape) == len(batch) == 1:
                 raise ValueError(
                     f"Expected input batch_size ({batch[0]}) to match target batch_size ({target_shape[0]})."
                 )
@@ -117,7 +138,20 @@ def check_cross_entropy(
             f"weight tensor should be defined either for all {num_classes} classes or no classes but got "
             f"weight tensor of shape: {list(weight_shape)}"
         )
-    return CrossEntropyCall(cdim, num_classes, shard_dims[0], kind, red, float(label_smoothing))
+    return CrossEntropyCall(cdim, num_classes, vocab_mesh_dim, kind, red, float(label_smoothing))
+
+
+class OtherRanksFailed(RuntimeError):
+    """Raised on the ranks whose own arguments passed when other vocab ranks' did not: the target,
+    weight and reduction are plain per-rank values, and must be the same on every rank."""
+
+
+def other_ranks_failed() -> OtherRanksFailed:
+    return OtherRanksFailed(
+        "loss_parallel: cross_entropy's arguments failed their checks on other ranks of the vocab mesh "
+        "dim but not here (their error is raised there); pass the same target, weight, ignore_index, "
+        "reduction and label_smoothing on every rank"
+    )
 
 
 def check_target_range(bad_target: int | None) -> None:

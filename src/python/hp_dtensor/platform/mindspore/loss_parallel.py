@@ -57,6 +57,12 @@ class _MindSporeLossMath:
     def is_floating(self, t: Tensor) -> bool:
         return bool(t.is_floating_point())
 
+    def is_bool(self, t: Tensor) -> bool:
+        return bool(t.dtype == ms.bool_)
+
+    def as_index(self, t: Tensor) -> Tensor:
+        return t.astype(ms.int64)
+
     def requires_grad(self, t: Tensor) -> bool:
         # Gradients are taken by position (``value_and_grad``); a Parameter says whether it wants one.
         return bool(getattr(t, "requires_grad", False)) and isinstance(t, ms.Parameter)
@@ -72,19 +78,21 @@ class _MindSporeLossMath:
 
     def amax(self, t: Tensor, dim: int) -> Tensor:
         shape = list(self.shape(t))
-        if shape[dim] == 0:
+        if shape[dim] == 0 or 0 in shape:  # MindSpore's max refuses any empty input
             shape[dim] = 1
             return ops.full(tuple(shape), float("-inf"), dtype=t.dtype)
         return t.max(axis=dim, keepdims=True)
 
     def sum(self, t: Tensor, dim: int) -> Tensor:
         shape = list(self.shape(t))
-        if shape[dim] == 0:
+        if 0 in shape:  # MindSpore's sum over no elements is not 0 (uninitialized memory)
             shape[dim] = 1
             return ops.zeros(tuple(shape), t.dtype)
         return t.sum(axis=dim, keepdims=True)
 
     def total(self, t: Tensor) -> Tensor:
+        if 0 in self.shape(t):  # MindSpore's sum of an empty tensor reads uninitialized memory
+            return ops.zeros((), t.dtype)
         return t.sum()
 
     def exp(self, t: Tensor) -> Tensor:
@@ -104,6 +112,9 @@ class _MindSporeLossMath:
 
     def clamp(self, t: Tensor, low: int, high: int) -> Tensor:
         return ops.clamp(t, low, high)
+
+    def full(self, like: Tensor, n: int, value: float) -> Tensor:
+        return ops.full((n,), value, dtype=like.dtype)
 
     def cat(self, ts: list[Tensor], dim: int) -> Tensor:
         return ops.cat(ts, dim)
@@ -133,9 +144,9 @@ class _MindSporeLossMath:
         return ops.gather(t, index.reshape(-1).astype(ms.int64), 0).reshape(self.shape(index))
 
     def first_value(self, t: Tensor, mask: Tensor) -> int | None:
-        if not bool(mask.any()):
-            return None
-        return int(t.asnumpy()[mask.asnumpy()].reshape(-1)[0])
+        # in numpy: MindSpore's ``any`` of an empty tensor is True
+        picked = t.asnumpy()[mask.asnumpy()].reshape(-1)
+        return int(picked[0]) if picked.size else None
 
 
 _MATH = _MindSporeLossMath()

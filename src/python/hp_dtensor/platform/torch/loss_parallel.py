@@ -64,6 +64,10 @@ def _cross_entropy(input: DTensor, target: Any, weight: Any = None, size_average
                    label_smoothing: float = 0.0) -> DTensor:
     if size_average is not None or reduce is not None:
         reduction = rules.legacy_reduction(size_average, reduce)
+    # The mode sees the call before autocast does; autocast runs cross_entropy in float32 (torch's
+    # fp32 op list), so a bf16/fp16 loss under autocast would be less precise than torch's.
+    if input.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(input.device.type):
+        input = input.float()  # type: ignore[assignment]
     return kernel.cross_entropy(  # type: ignore[no-any-return]
         _MATH, C.COLLECTIVES, _function, input, target, weight, ignore_index, reduction, label_smoothing
     )
@@ -77,6 +81,12 @@ class _TorchLossMath:
 
     def is_floating(self, t: torch.Tensor) -> bool:
         return t.is_floating_point()
+
+    def is_bool(self, t: torch.Tensor) -> bool:
+        return t.dtype == torch.bool
+
+    def as_index(self, t: torch.Tensor) -> torch.Tensor:
+        return t.long()
 
     def requires_grad(self, t: torch.Tensor) -> bool:
         return t.requires_grad
@@ -120,6 +130,9 @@ class _TorchLossMath:
 
     def clamp(self, t: torch.Tensor, low: int, high: int) -> torch.Tensor:
         return t.clamp(low, high)
+
+    def full(self, like: torch.Tensor, n: int, value: float) -> torch.Tensor:
+        return like.new_full((n,), value)
 
     def cat(self, ts: list[torch.Tensor], dim: int) -> torch.Tensor:
         return torch.cat(ts, dim)
@@ -180,9 +193,10 @@ def _class_sharded(x: Any, dim: int) -> bool:
 
 
 def _vocab_range(x: DTensor, dim: int) -> tuple[int, int]:
-    n = x._local_tensor.shape[dim]
-    start = x.device_mesh.get_local_rank() * n
-    return start, n
+    """(first class, class count) of this rank's slice (the local width keeps indices in bounds)."""
+    mesh = x.device_mesh
+    start = kernel.vocab_start(int(x.shape[dim]), mesh.size(0), mesh.get_local_rank())
+    return start, int(x._local_tensor.shape[dim])
 
 
 def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
@@ -193,7 +207,7 @@ def _reduce(t: torch.Tensor, op: ReduceOp, mesh: DeviceMesh) -> torch.Tensor:
 def _log_softmax(x: DTensor, dim: int, half_to_float: bool) -> Any:
     local = x._local_tensor
     mesh = x.device_mesh
-    row_max = _reduce(local.detach().amax(dim, keepdim=True), "max", mesh)
+    row_max = _reduce(_MATH.amax(local.detach(), dim), "max", mesh)
     shifted = local - row_max
     sum_exp = _reduce(shifted.exp().sum(dim, keepdim=True), "sum", mesh)
     return DTensor(shifted - sum_exp.log(), x._spec)
@@ -216,24 +230,34 @@ def _local_target(target: Any) -> torch.Tensor:
 
 def _picked(logp: DTensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     start, n = _vocab_range(logp, 1)
-    t = target - start
+    t = target.long() - start  # uint8 targets would wrap
     owned = (t >= 0) & (t < n) & (target != ignore_index)
-    idx = t.clamp(0, n - 1).unsqueeze(1)
+    idx = t.clamp(0, max(n - 1, 0)).unsqueeze(1)
     return idx, owned, target != ignore_index
 
 
 def _nll_forward(logp: DTensor, target: Any, weight: Any, reduction: int, ignore_index: int) -> Any:
     if weight is not None:
-        raise NotImplementedError("loss_parallel does not support class weights in cross_entropy")
+        raise NotImplementedError(
+            "loss_parallel does not support class weights in nll_loss after log_softmax; "
+            "call F.cross_entropy(logits, target, weight=...) instead"
+        )
     if logp.ndim != 2:
         raise NotImplementedError(
             f"loss_parallel expects logits flattened to (tokens, vocab), got {logp.ndim}-D; "
             f"use logits.flatten(0, -2) and target.flatten()"
         )
     tgt = _local_target(target)
+    # an out-of-range target would be owned by no rank and silently add 0 to the loss
+    bad = (tgt != ignore_index) & ((tgt < 0) | (tgt >= logp.shape[1]))
+    rules.check_target_range(_MATH.first_value(tgt, bad))
     local = logp._local_tensor
     idx, owned, valid = _picked(logp, tgt, ignore_index)
-    per_row = -local.gather(1, idx).squeeze(1) * owned
+    # select, not multiply: a -inf log-prob of a class this rank does not own must not make NaN
+    if local.shape[1]:
+        per_row = (-local.gather(1, idx).squeeze(1)).masked_fill(~owned, 0.0)
+    else:
+        per_row = local.new_zeros(local.shape[0])
     per_row = _reduce(per_row, "sum", logp.device_mesh)
     count = valid.sum().to(local.dtype)
     mesh = logp.device_mesh
@@ -264,7 +288,8 @@ def _nll_backward(grad_out: Any, logp: DTensor, target: Any, weight: Any, reduct
     else:
         scale = g
     grad = torch.zeros_like(local)
-    grad.scatter_(1, idx, (-scale * owned).unsqueeze(1).to(local.dtype))
+    if local.shape[1]:  # a rank holding no class has no gradient to place
+        grad.scatter_(1, idx, (-scale * owned).unsqueeze(1).to(local.dtype))
     return DTensor(grad, logp._spec)
 
 
