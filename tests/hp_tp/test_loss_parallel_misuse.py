@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from hp_dtensor.testing import RankPool, rank_pool_fixture
+from hp_dtensor.testing import RankPool, outcomes, rank_pool_fixture
 
 pool2 = rank_pool_fixture(2, timeout=240)
 pool4 = rank_pool_fixture(4, timeout=240)
@@ -245,14 +245,8 @@ def _misuse(rank: int, world: int) -> list[str]:
         both = distribute_tensor(torch.randn(4, 8), mesh2d, [Shard(1), Shard(1)], src_data_rank=None)
         batch_and_vocab = distribute_tensor(torch.randn(4, 8), mesh2d, [Shard(0), Shard(1)], src_data_rank=None)
         calls = [lambda: F.cross_entropy(both, good), lambda: F.cross_entropy(batch_and_vocab, good)]
-    msgs = []
     with loss_parallel():
-        for call in calls:
-            try:
-                call()
-                msgs.append("no error")
-            except Exception as e:  # noqa: BLE001  (the type is part of what is checked)
-                msgs.append(f"{type(e).__name__}: {e}")
+        msgs = outcomes(calls)
     torch.distributed.barrier()  # the ranks are still in step
     return msgs
 
@@ -343,14 +337,8 @@ def _one_rank_wrong(rank: int, world: int) -> list[str]:
         lambda: F.cross_entropy(logits, good > 2 if last else good),
         lambda: F.cross_entropy(logits, good, weight=torch.ones(8, requires_grad=last)),
     ]
-    msgs = []
     with loss_parallel():
-        for call in calls:
-            try:
-                call()
-                msgs.append("no error")
-            except Exception as e:  # noqa: BLE001  (the type is part of what is checked)
-                msgs.append(f"{type(e).__name__}: {e}")
+        msgs = outcomes(calls)
         loss = F.cross_entropy(logits, good)  # the ranks are still in step: a good call works
     msgs.append(f"then: {loss.full_tensor().item():.6f}")
     return msgs
