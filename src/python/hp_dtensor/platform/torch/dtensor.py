@@ -214,11 +214,9 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-        src = ctx.src_spec
-        target = grad_placements(src.placements)
+        target = grad_placements(ctx.src_spec.placements)
         g = grad._spec
-        local = redistribute_local(grad._local_tensor, g.mesh, g.shape, g.placements, target)
-        return DTensor(local, DTensorSpec(g.mesh, target, g.shape)), None, None
+        return DTensor(_grad_local(grad, target), DTensorSpec(g.mesh, target, g.shape)), None, None
 
 
 class FromLocal(torch.autograd.Function):
@@ -229,11 +227,13 @@ class FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:  # type: ignore[override]
-        spec = ctx.spec
-        target = grad_placements(spec.placements)
-        g = grad._spec
-        local = redistribute_local(grad._local_tensor, g.mesh, g.shape, g.placements, target)
-        return local, None
+        return _grad_local(grad, grad_placements(ctx.spec.placements)), None
+
+
+def _grad_local(grad: Any, target: tuple[Placement, ...]) -> torch.Tensor:
+    """The local shard of the DTensor gradient ``grad`` laid out as ``target``."""
+    g = grad._spec
+    return redistribute_local(grad._local_tensor, g.mesh, g.shape, g.placements, target)  # type: ignore[no-any-return]
 
 
 class ToLocal(torch.autograd.Function):
