@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Proves the package-edge rules (docs/architecture.md) are enforced: every forbidden import below must make
-# `pants dependencies` fail, an allowed one must pass, and the clean tree must pass.
+# `pants dependencies` fail, an allowed one must pass, and the clean tree must pass.  The same goes for
+# framework imports: torch and mindspore are imported only inside a package's own platform/<framework>/
+# folder (hp_models, model code, excepted), and neutral code never reaches into any platform folder.
 # Probe files are written into the tree and always removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +42,38 @@ check deny hp_tp hp_fsdp
 check deny hp_dtensor hp_fsdp
 check deny hp_protocols hyper_parallel
 check deny hp_models hyper_parallel
+check deny hp_dtensor hp_checkpoint
+check deny hp_tp hp_checkpoint
+check deny hp_fsdp hp_checkpoint
+check deny hp_protocols hp_checkpoint
+check deny hp_checkpoint hp_tp
+check deny hp_checkpoint hp_fsdp
+check deny hp_checkpoint hp_protocols
+# frameworks only under platform/<framework>/
+check deny hp_dtensor torch
+check deny hp_dtensor mindspore
+check deny hp_dtensor/sharding torch
+check deny hp_tp torch
+check deny hp_fsdp torch
+check deny hp_checkpoint torch
+check deny hp_checkpoint mindspore
+check deny hp_protocols torch
+check deny hp_protocols mindspore
+check deny hp_fsdp/platform/torch mindspore
+check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
+check deny hp_fsdp hp_dtensor.platform.torch.collectives
+check deny hp_checkpoint hp_dtensor.platform.mindspore.collectives
+check allow hp_fsdp/platform/torch torch
+check allow hp_checkpoint/platform/torch torch
+check allow hp_tp/platform/mindspore mindspore
+check allow hp_dtensor/platform/torch torch
+check allow hp_fsdp/platform/torch hp_dtensor.platform.torch.collectives
+check allow hp_models torch
 check allow hp_tp hp_dtensor
 check allow hp_models hp_tp
 check allow hp_fsdp hp_dtensor
 check allow hp_models hp_fsdp
+check allow hp_checkpoint hp_dtensor
+check allow hp_models hp_checkpoint
 ./pants dependencies :: >/dev/null
 echo "ok: the tree has no forbidden edge"

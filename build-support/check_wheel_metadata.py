@@ -24,7 +24,8 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-tp": ({"hp-dtensor"}, set()),
     "hp-fsdp": ({"hp-dtensor"}, set()),
     "hp-protocols": ({"hp-dtensor"}, set()),
-    "hp-models": ({"hp-tp", "hp-protocols", "hp-dtensor"}, {"hp-fsdp"}),
+    "hp-checkpoint": ({"hp-dtensor"}, set()),
+    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp"}),
 }
 UMBRELLA = "hyper-parallel"
 FRAMEWORKS = {"torch", "mindspore", "numpy"}

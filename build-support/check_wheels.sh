@@ -7,7 +7,9 @@
 #      one process;
 #   3. hp-fsdp + hp-dtensor[torch] alone in a fresh venv: a 2-rank fully_shard MLP under torchrun
 #      matches one process after 3 AdamW steps;
-#   4. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
+#   4. hp-checkpoint + hp-dtensor[torch] alone in a fresh venv: a 2-rank state dict saved in one
+#      layout loads into three others, in both formats, and a damaged file is refused;
+#   5. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
 #      and a JobConfig resolves into a mesh and a DTensor.
 # torch is constrained to the CPU wheel on disk (an unconstrained torch is a multi-GB CUDA build).
 # MindSpore (~800 MB) is kept in a wheel cache (HP_WHEEL_CACHE) and reused from Pants' own
@@ -32,7 +34,7 @@ stage "building the wheels"
 rm -rf dist
 ./pants --filter-target-type=python_distribution package ::
 wheels=(dist/*.whl)
-[[ "${#wheels[@]}" -eq 6 ]] || { ls dist >&2; fail "expected 6 wheels, got ${#wheels[@]}"; }
+[[ "${#wheels[@]}" -eq 7 ]] || { ls dist >&2; fail "expected 7 wheels, got ${#wheels[@]}"; }
 whl() { local f=(dist/"$1"-*.whl); echo "${root}/${f[0]}"; }
 
 stage "wheel metadata"
@@ -80,6 +82,23 @@ PY
 (cd "${work}" && timeout 300 "${work}/fsdp/bin/torchrun" --standalone --nproc-per-node 2 \
   "${root}/build-support/wheel_examples/fsdp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank fully_shard example failed"
+
+stage "hp-checkpoint + hp-dtensor[torch]"
+python3.11 -m venv "${work}/ckpt"
+"${work}/ckpt/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
+  -c "${work}/torch-constraint.txt" "$(whl hp_checkpoint)[torch]" "$(whl hp_dtensor)[torch]"
+"${work}/ckpt/bin/python" - <<'PY'
+import importlib.metadata as md
+installed = {d.metadata["Name"].lower() for d in md.distributions()}
+first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
+assert first_party == ["hp-checkpoint", "hp-dtensor"], first_party
+assert "mindspore" not in installed, "hp-checkpoint[torch] pulled mindspore"
+print(f"ok: installed {first_party} alone")
+PY
+(cd "${work}" && timeout 300 "${work}/ckpt/bin/torchrun" --standalone --nproc-per-node 2 \
+  "${root}/build-support/wheel_examples/checkpoint_reshard.py" "${work}/ckpt-out" 2>&1 \
+  | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
+  || fail "the 2-rank checkpoint reshard example failed"
 
 stage "hp-protocols + hp-dtensor[mindspore]"
 mkdir -p "${cache}"

@@ -270,7 +270,7 @@ def _local_part(x: Any, mesh: Any, placements: tuple[Any, ...], gen: Any) -> Any
     import torch
 
     from hp_dtensor import Partial, Shard
-    from hp_dtensor.shard_geometry import chunk_size_and_offset
+    from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
 
     coord = mesh.get_coordinate()
     local = x

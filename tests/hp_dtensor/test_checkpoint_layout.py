@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from hp_dtensor.checkpoint_layout import CheckpointError, replica_writer, shard_box, writes_box
+from hp_dtensor.layout.shard_boxes import CheckpointError, replica_writer, shard_box, writes_box
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 

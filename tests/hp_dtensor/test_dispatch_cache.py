@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hp_dtensor.dispatch_core import call_key
+from hp_dtensor.sharding.dispatch import call_key
 from hp_dtensor.testing import fake_world
 
 

@@ -134,7 +134,7 @@ def _fuzz_redistribute(rank: int, world: int, mesh_shape: tuple[int, ...], examp
     from hypothesis import strategies as st
 
     from hp_dtensor import CommDebugMode, Partial, Replicate, Shard, distribute_tensor
-    from hp_dtensor.redistribute_planner import plan_redistribute
+    from hp_dtensor.redistribute.planner import plan_redistribute
 
     mesh = _mesh(mesh_shape)
     pl = st.sampled_from([Replicate(), Partial(), Partial("avg"), Shard(0), Shard(1), Shard(-1)])

@@ -10,7 +10,7 @@ import math
 import random
 import struct
 
-from hp_dtensor.from_local_check import (
+from hp_dtensor.api.from_local_check import (
     MAX_MESH_NDIM,
     MAX_NDIM,
     RECORD_LEN,
@@ -20,7 +20,7 @@ from hp_dtensor.from_local_check import (
     encode,
     verify,
 )
-from hp_dtensor.mesh_layout import MeshLayout
+from hp_dtensor.layout.mesh_layout import MeshLayout
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 
 ONE_D = MeshLayout.contiguous((2,))

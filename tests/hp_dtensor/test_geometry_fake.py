@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hp_dtensor import Partial, Replicate, Shard, init_device_mesh
-from hp_dtensor.shard_geometry import local_offset
+from hp_dtensor.layout.shard_geometry import local_offset
 from hp_dtensor.testing import fake_world
 
 

@@ -149,7 +149,7 @@ def _unseeded_ranks_are_synchronised(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     from hp_dtensor import CommDebugMode, Replicate, Shard, distribute_tensor, init_device_mesh
-    from hp_dtensor.rng_tracker import forget_synced
+    from hp_dtensor.api.rng_tracker import forget_synced
 
     forget_synced()
     mesh = init_device_mesh("cpu", (2, 2))

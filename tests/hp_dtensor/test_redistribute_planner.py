@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hp_dtensor.layout.shard_geometry import check_even_sharding, local_offset, local_shape
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.redistribute_planner import StepKind, plan_distribute, plan_redistribute, step_cost
-from hp_dtensor.shard_geometry import check_even_sharding, local_offset, local_shape
+from hp_dtensor.redistribute.planner import StepKind, plan_distribute, plan_redistribute, step_cost
 
 R, P = Replicate(), Partial()
 
@@ -144,9 +144,9 @@ def test_pure_modules_import_without_a_framework() -> None:
         "        if name.split('.')[0] in ('torch', 'mindspore'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import hp_dtensor, hp_dtensor.placement_types, hp_dtensor.mesh_layout, hp_dtensor.shard_geometry\n"
-        "import hp_dtensor.redistribute_planner, hp_dtensor.comm_debug, hp_dtensor.dtensor_spec, hp_dtensor.redistribute_exec\n"
-        "import hp_dtensor.rng_tracker\n"
+        "import hp_dtensor, hp_dtensor.placement_types, hp_dtensor.layout.mesh_layout, hp_dtensor.layout.shard_geometry\n"
+        "import hp_dtensor.redistribute.planner, hp_dtensor.comm_debug, hp_dtensor.layout.dtensor_spec, hp_dtensor.redistribute.executor\n"
+        "import hp_dtensor.api.rng_tracker\n"
         "import hp_dtensor.sharding.pointwise, hp_dtensor.sharding.matrix, hp_dtensor.sharding.views\n"
         "import hp_dtensor.sharding.reductions, hp_dtensor.sharding.norms, hp_dtensor.sharding.embedding\n"
         "import hp_dtensor.sharding.attention, hp_dtensor.sharding.loss\n"
@@ -159,7 +159,7 @@ def test_pure_modules_import_without_a_framework() -> None:
 
 def test_plans_between_even_layouts_never_pass_an_uneven_state() -> None:
     # so backends with even-only collectives (MindSpore) keep working, and no padding is paid
-    from hp_dtensor.shard_geometry import is_even
+    from hp_dtensor.layout.shard_geometry import is_even
 
     opts = [R, P, Shard(0), Shard(1)]
     checked = 0

@@ -143,7 +143,7 @@ def held_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 def _share_bytes(ref: nn.Module, fsdp_mesh: Any) -> int:
     """This rank's exact share of one copy of the (non-TP) model: dim 0 of every parameter split
     torch.chunk-style over the shard group."""
-    from hp_dtensor.shard_geometry import chunk_size_and_offset
+    from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
 
     n = fsdp_mesh.size(fsdp_mesh.ndim - 1)
     index = fsdp_mesh.get_local_rank(fsdp_mesh.ndim - 1)

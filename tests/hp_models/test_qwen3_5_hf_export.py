@@ -58,8 +58,8 @@ def _export_case(rank: int, world: int, folder: str, layout: str, max_shard_byte
     import torch
     from safetensors.torch import load_file
 
+    from hp_checkpoint.platform.torch.transfer import TRANSFER
     from hp_dtensor import CommDebugMode
-    from hp_dtensor.platform.torch.transfer import TRANSFER
     from hp_models.qwen3_5 import Qwen3_5StateDictAdapter, tiny_config
 
     adapter = Qwen3_5StateDictAdapter(tiny_config())

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from hp_dtensor.checkpoint_manifest import complete_checkpoints, verify_checkpoint
+from hp_checkpoint.manifest import complete_checkpoints, verify_checkpoint
 
 STEPS = 6
 FLAGS = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2"]

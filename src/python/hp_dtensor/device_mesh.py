@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from hp_dtensor.mesh_layout import MeshLayout
+from hp_dtensor.layout.mesh_layout import MeshLayout
 from hp_dtensor.platform import current as _platform
 
 _ctx = threading.local()

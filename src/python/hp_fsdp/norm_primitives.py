@@ -1,4 +1,4 @@
-"""What gradient-norm clipping needs from a framework, reached as ``platform.current().GRAD_NORM``.
+"""What gradient-norm clipping needs from a framework: ``GRAD_NORM`` of ``hp_fsdp.platform.<framework>``.
 
 The backend computes on local tensors (per-tensor norms, the total, in-place scaling); which
 shards belong to one tensor and which mesh dims a partial norm is reduced over is decided in
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from hp_dtensor.platform import backend_primitives
+from hp_dtensor.platform import package_backend
 
 Tensor = Any  # the framework's tensor type
 
@@ -32,7 +32,5 @@ class GradNormPrimitives(Protocol):
 
 
 def grad_norm_primitives() -> GradNormPrimitives:
-    prims: GradNormPrimitives = backend_primitives(
-        "GRAD_NORM", "clip_grad_norm_", "use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
-    )
+    prims: GradNormPrimitives = package_backend("hp_fsdp", "clip_grad_norm_").GRAD_NORM
     return prims

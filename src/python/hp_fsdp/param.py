@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hp_dtensor import DeviceMesh, Placement
-from hp_dtensor.shard_geometry import chunk_size, chunk_size_and_offset
+from hp_dtensor.layout.shard_geometry import chunk_size, chunk_size_and_offset
 from hp_fsdp.mesh_info import FSDPMeshInfo, sharded_layout
 from hp_fsdp.primitives import FSDPPrimitives, Tensor
 

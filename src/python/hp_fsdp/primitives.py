@@ -1,4 +1,4 @@
-"""What ``fully_shard`` needs from a framework, reached as ``platform.current().FSDP``.
+"""What ``fully_shard`` needs from a framework: ``FSDP`` of ``hp_fsdp.platform.<framework>``.
 
 The backend moves bytes (flat buffers, storage that can be freed while autograd holds a tensor,
 backward hooks); every decision -- which rows a rank owns, when to gather, what to divide by --
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hp_dtensor import DeviceMesh, Placement
-from hp_dtensor.platform import backend_primitives
+from hp_dtensor.platform import package_backend
 
 Tensor = Any  # the framework's tensor type (torch.Tensor, mindspore.Tensor)
 
@@ -57,7 +57,5 @@ class FSDPPrimitives(Protocol):
 
 
 def fsdp_primitives() -> FSDPPrimitives:
-    prims: FSDPPrimitives = backend_primitives(
-        "FSDP", "fully_shard", "use the torch backend (HYPER_PARALLEL_PLATFORM=torch)"
-    )
+    prims: FSDPPrimitives = package_backend("hp_fsdp", "fully_shard").FSDP
     return prims

@@ -146,7 +146,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: {where}{e}")
     if args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
-    from hp_dtensor.checkpoint_manifest import newest_complete
+    from hp_checkpoint.manifest import newest_complete
 
     if args.resume:
         found = newest_complete(args.checkpoint_dir)

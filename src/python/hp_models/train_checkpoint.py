@@ -1,6 +1,6 @@
 """The trainer's checkpoint: everything a resumed run needs to continue the loss curve exactly.
 
-Saved through ``hp_dtensor.checkpoint_atomic`` (sharded, atomic, verified):
+Saved through ``hp_checkpoint.atomic`` (sharded, atomic, verified):
 
 - ``model``: the parameters as the model holds them (DTensors: each rank writes its shards);
 - ``optim``: AdamW's state keyed by parameter name, so it reshards with the parameters when the
@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.checkpoint import (
-    dcp_backend,
+from hp_checkpoint.atomic import latest_checkpoint, load_checkpoint, save_checkpoint
+from hp_checkpoint.dcp import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from hp_dtensor.checkpoint_atomic import latest_checkpoint, load_checkpoint, save_checkpoint
-from hp_dtensor.checkpoint_layout import CheckpointError
+from hp_dtensor.layout.shard_boxes import CheckpointError
+from hp_dtensor.platform.torch.collectives import all_gather_object
 
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _check_rng_agrees() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     mine = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
-    every = dcp_backend().all_gather_object(mine)  # through the collectives module: counted, one path
+    every = all_gather_object(mine)  # through the collectives module: counted, one path
     if len(set(every)) != 1:
         raise CheckpointError(
             "checkpoint: the ranks' CPU generator states differ, so one saved state cannot restore them; "

@@ -1,6 +1,7 @@
 """hp_protocols: torchtitan-style protocol layer (Configurable, Module, ShardingConfig, ModelSpec,
 state-dict adapters) and the parallelism configuration users write."""
 
+from hp_dtensor.moved_modules import Moved, register_moved
 from hp_protocols.configurable import Configurable
 from hp_protocols.model import BaseModel
 from hp_protocols.model_spec import ModelSpec, get_model_spec, register_model_spec
@@ -17,7 +18,10 @@ from hp_protocols.sharding import LocalMapConfig, NamedPlacement, ShardingConfig
 from hp_protocols.state_dict_adapter import BaseStateDictAdapter
 from hp_protocols.types import MeshAxisName
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+# The HF export moved to the checkpoint package in 0.2.0; the old path warns until 0.3.0.
+register_moved({"hp_protocols.hf_export": Moved("hp_checkpoint.hf_export", "hp-checkpoint", "hp-protocols 0.3.0")})
 
 __all__ = [
     "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig",

@@ -7,7 +7,7 @@ import os
 from abc import ABC, abstractmethod
 from typing import Any
 
-from hp_dtensor.platform import current as _current
+from hp_protocols.platform import current as _current
 
 
 class BaseStateDictAdapter(ABC):

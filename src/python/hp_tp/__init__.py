@@ -13,7 +13,7 @@ from hp_tp.style import (
     SequenceParallel,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "ColwiseParallel", "NoParallel", "ParallelStyle", "PrepareModuleInput", "PrepareModuleInputOutput",

@@ -17,10 +17,11 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Partial, Placement, Replicate, Shard
 from hp_dtensor.platform import current as _platform
+from hp_tp.platform import local_layers
 
 
 def _kernels() -> Any:
-    return getattr(_platform(), "local_layers", None)
+    return local_layers()
 
 
 def _dtensor_forward(module: Any) -> Callable[..., Any]:

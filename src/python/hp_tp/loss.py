@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from hp_dtensor.platform import current as _platform
+from hp_tp.platform import current as _platform
 
 
 @contextmanager

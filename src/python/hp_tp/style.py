@@ -18,6 +18,7 @@ from typing import Any
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard, distribute_module
 from hp_dtensor.platform import current as _platform
 from hp_tp import local_forward, tied
+from hp_tp.platform import local_layers
 
 Layouts = Placement | Sequence[Placement | None] | None
 
@@ -82,7 +83,7 @@ class _LastAnnotated:
 
 def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, shape: Any = None) -> Any:
     plat = _plat()
-    k = getattr(plat, "local_layers", None)
+    k = local_layers()
     key: tuple[Any, ...] = ()
     if k is not None:
         key = (mesh, layout, desired, k.version(x), k.grad_enabled(), x.requires_grad, shape)

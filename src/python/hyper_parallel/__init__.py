@@ -40,7 +40,7 @@ from hp_tp import (
     parallelize_module,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from hp_dtensor import DTensor, distribute_module, distribute_tensor

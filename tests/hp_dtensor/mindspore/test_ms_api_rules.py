@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor
 
 from hp_dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from hp_dtensor.dtensor_methods import DTensorMethods
+from hp_dtensor.api.dtensor_methods import DTensorMethods
 
 
 @pytest.fixture(scope="module")

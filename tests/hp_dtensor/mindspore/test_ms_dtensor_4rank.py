@@ -77,7 +77,7 @@ def _redistribute_cases(rank, world, mesh_shape):
     from mindspore import Tensor
 
     from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
-    from hp_dtensor.redistribute_planner import plan_redistribute
+    from hp_dtensor.redistribute.planner import plan_redistribute
 
     mesh = init_device_mesh("cpu", mesh_shape)
     coord = mesh.get_coordinate()
@@ -221,7 +221,7 @@ UNEVEN_CASES = int(os.environ.get("HP_MS_UNEVEN_CASES", "40"))
 
 def _chunk_np(a, placements, mesh_shape, coord):
     """This rank's torch.chunk-style block of ``a`` (Shard placements only; others keep it whole)."""
-    from hp_dtensor.shard_geometry import chunk_size_and_offset
+    from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
 
     for k, p in enumerate(placements):
         if p.is_shard():
@@ -245,7 +245,7 @@ def _uneven_local(A, D, placements, mesh_shape, coord):
 def _uneven_specs(mesh_shape, n_cases, seed):
     """Seeded random (global shape, src, dst) with at least one uneven Shard among src/dst."""
     from hp_dtensor import Partial, Replicate, Shard
-    from hp_dtensor.shard_geometry import is_even
+    from hp_dtensor.layout.shard_geometry import is_even
 
     rnd = random.Random(seed)
     out = []
@@ -268,7 +268,7 @@ def _uneven_redistribute_cases(rank, world, mesh_shape, n_cases):
     from mindspore import Tensor
 
     from hp_dtensor import DTensor, distribute_tensor, init_device_mesh
-    from hp_dtensor.shard_geometry import is_even
+    from hp_dtensor.layout.shard_geometry import is_even
 
     mesh = init_device_mesh("cpu", mesh_shape)
     coord = mesh.get_coordinate()

@@ -644,8 +644,8 @@ def _random_cases(rank, world, shapes):
     from mindspore import Tensor
 
     from hp_dtensor import DTensor, init_device_mesh
+    from hp_dtensor.layout.shard_geometry import local_shape_and_offset as geom
     from hp_dtensor.platform.mindspore import rng
-    from hp_dtensor.shard_geometry import local_shape_and_offset as geom
 
     ms.set_seed(100 + rank)
     np.random.seed(100 + rank)

@@ -12,8 +12,9 @@ import mindspore as ms
 import numpy as np
 from ms_cases import ms_grads, ms_mlp, weights
 
+from hp_dtensor import init_device_mesh
 from hp_dtensor.platform import current
-from hyper_parallel import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ TOL = {"rtol": 1.5e-4, "atol": 1e-5}
 
 
 def _mesh():
-    from hyper_parallel import init_device_mesh
+    from hp_dtensor import init_device_mesh
 
     return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
 
@@ -45,7 +45,8 @@ def _t(a):
 
 # ------------------------------------------------------------------ rank functions
 def _colwise(rank, world):
-    from hyper_parallel import ColwiseParallel, Shard, parallelize_module
+    from hp_dtensor import Shard
+    from hp_tp import ColwiseParallel, parallelize_module
 
     W = weights(1)
     cell = parallelize_module(ms_dense(W["w1"], W["b1"]), _mesh(), ColwiseParallel())
@@ -56,7 +57,8 @@ def _colwise(rank, world):
 
 
 def _rowwise(rank, world):
-    from hyper_parallel import Replicate, RowwiseParallel, Shard, parallelize_module
+    from hp_dtensor import Replicate, Shard
+    from hp_tp import RowwiseParallel, parallelize_module
 
     W = weights(2)
     cell = parallelize_module(ms_dense(W["w2"], W["b2"]), _mesh(), RowwiseParallel())
@@ -67,7 +69,8 @@ def _rowwise(rank, world):
 
 
 def _mlp(rank, world):
-    from hyper_parallel import ColwiseParallel, CommDebugMode, RowwiseParallel, parallelize_module
+    from hp_dtensor import CommDebugMode
+    from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 
     W = weights(3)
     cell = parallelize_module(ms_mlp(W), _mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -81,7 +84,7 @@ def _embedding(rank, world, style):
     whose partial sums are all-reduced) with the table's gradient; ids stay integers."""
     from mindspore import Tensor
 
-    from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 
     W = weights(12)
     st = ColwiseParallel() if style == "colwise" else RowwiseParallel()
@@ -92,7 +95,8 @@ def _embedding(rank, world, style):
 
 
 def _sequence_parallel(rank, world):
-    from hyper_parallel import Replicate, SequenceParallel, parallelize_module
+    from hp_dtensor import Replicate
+    from hp_tp import SequenceParallel, parallelize_module
 
     W = weights(4)
     cell = parallelize_module(ms_layer_norm(W["ln_w"], W["ln_b"]), _mesh(), SequenceParallel())
@@ -102,7 +106,8 @@ def _sequence_parallel(rank, world):
 
 
 def _no_parallel(rank, world):
-    from hyper_parallel import NoParallel, Replicate, parallelize_module
+    from hp_dtensor import Replicate
+    from hp_tp import NoParallel, parallelize_module
 
     W = weights(5)
     cell = parallelize_module(ms_dense(W["w2"], W["b2"]), _mesh(), NoParallel())
@@ -116,15 +121,14 @@ def _more_compositions(rank, world):
     in front of a Colwise Dense.  C11: Rowwise Dense whose output PrepareModuleOutput re-shards."""
     from mindspore import nn
 
-    from hyper_parallel import (
+    from hp_dtensor import Replicate, Shard
+    from hp_tp import (
         ColwiseParallel,
         NoParallel,
         PrepareModuleInput,
         PrepareModuleOutput,
-        Replicate,
         RowwiseParallel,
         SequenceParallel,
-        Shard,
         parallelize_module,
     )
 
@@ -162,7 +166,8 @@ def _prepare_kwargs(rank, world):
     """PrepareModuleInput with a kwargs pre-hook: positional and keyword inputs both gathered."""
     from mindspore import nn
 
-    from hyper_parallel import PrepareModuleInput, Replicate, Shard, parallelize_module
+    from hp_dtensor import Replicate, Shard
+    from hp_tp import PrepareModuleInput, parallelize_module
 
     class TwoInputs(nn.Cell):
         def construct(self, x, scale=None):
@@ -184,7 +189,8 @@ def _prepare_multi_output(rank, world):
     (layout None) comes back untouched."""
     from mindspore import nn
 
-    from hyper_parallel import PrepareModuleOutput, Replicate, Shard, parallelize_module
+    from hp_dtensor import Replicate, Shard
+    from hp_tp import PrepareModuleOutput, parallelize_module
 
     class TwoOutputs(nn.Cell):
         def construct(self, x):
@@ -198,14 +204,12 @@ def _prepare_multi_output(rank, world):
 
 
 def _d3_block(rank, world):
-    from hyper_parallel import (
+    from hp_dtensor import CommDebugMode, Replicate, Shard
+    from hp_tp import (
         ColwiseParallel,
-        CommDebugMode,
         PrepareModuleInput,
-        Replicate,
         RowwiseParallel,
         SequenceParallel,
-        Shard,
         parallelize_module,
     )
 
@@ -248,7 +252,7 @@ def _train(cell, x, upstream, optimizer, steps=3):
 
 
 def _mlp_training(rank, world, optimizer):
-    from hyper_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
 
     W = weights(9)
     cell = parallelize_module(ms_mlp(W), _mesh(), {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -335,7 +339,7 @@ def test_C3_mlp_trains_like_one_process(pool, optimizer):
 def test_C4_C5_embedding(pool, style):
     from mindspore import Tensor
 
-    from hyper_parallel import Shard
+    from hp_dtensor import Shard
 
     out = pool.run(_embedding, style)
     W = weights(12)

@@ -20,14 +20,8 @@ _MS_NAME = {"norm.gamma": "norm.weight", "norm.beta": "norm.bias"}
 
 
 def _plan(case):
-    from hyper_parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        Replicate,
-        RowwiseParallel,
-        SequenceParallel,
-        Shard,
-    )
+    from hp_dtensor import Replicate, Shard
+    from hp_tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     return {
         "C1": ColwiseParallel(),
@@ -54,7 +48,8 @@ def _inputs(case, rank, world):
 
 
 def _run(rank, world, case, framework):
-    from hyper_parallel import CommDebugMode, init_device_mesh, parallelize_module
+    from hp_dtensor import CommDebugMode, init_device_mesh
+    from hp_tp import parallelize_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     W, x, up = _inputs(case, rank, world)

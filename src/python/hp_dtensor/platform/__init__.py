@@ -1,9 +1,14 @@
-"""The platform layer: the only code that imports a framework.
+"""The DTensor's platform layer, and how every package finds its own framework code.
 
-``current()`` returns the backend module selected by ``HYPER_PARALLEL_PLATFORM`` (``torch`` or
-``mindspore``), else the installed framework (torch first).  Everything framework-specific the
-core needs -- process groups, collectives, the DTensor tensor subclass and its op dispatch,
+``current()`` returns the DTensor backend module selected by ``HYPER_PARALLEL_PLATFORM``
+(``torch`` or ``mindspore``), else the installed framework (torch first).  What the DTensor needs
+from a framework -- process groups, collectives, the tensor subclass and its op dispatch, RNG,
 modules and hooks -- is reached through it; ``platform.base.Backend`` is that contract.
+
+A package above the DTensor keeps the framework calls of its own features (``fully_shard``'s flat
+buffers, loss parallel's interception, checkpoint file formats) in its own
+``<package>/platform/<framework>/`` folder behind a Protocol it defines, found with
+``package_backend``: a fix there is a release of that package alone.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from functools import lru_cache
+from functools import cache, lru_cache
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -63,3 +69,21 @@ def backend_primitives(name: str, feature: str, instead: str) -> Any:
     if prims is None:
         raise NotImplementedError(f"{feature} is not supported on the {current().NAME} backend yet; {instead}")
     return prims
+
+
+@cache
+def package_backend(package: str, feature: str) -> ModuleType:
+    """``<package>.platform.<framework>`` for the selected framework: the primitives ``package``
+    implements for it.  A package without code for that framework raises ``NotImplementedError``
+    naming the ``feature`` and the framework, so a user learns what is missing, not a module name."""
+    name = platform_name()
+    module = f"{package}.platform.{name}"
+    try:
+        found = importlib.util.find_spec(module)
+    except ModuleNotFoundError:
+        found = None
+    if found is None:
+        others = [n for n in _KNOWN if n != name and importlib.util.find_spec(f"{package}.platform.{n}")]
+        instead = f"; it runs on {', '.join(others)} (HYPER_PARALLEL_PLATFORM={others[0]})" if others else ""
+        raise NotImplementedError(f"{feature} is not supported on the {name} backend yet{instead}")
+    return importlib.import_module(module)

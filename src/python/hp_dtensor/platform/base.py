@@ -6,20 +6,20 @@ public names satisfy ``Backend``; each backend's ``__init__`` asserts so for myp
 fails ``pants check`` instead of a run on the other framework.  Tensors, modules and groups are the
 framework's own objects, so they are ``Any`` here; the shapes of the calls are what is fixed.
 
-Features a backend may lack (``FSDP``, ``GRAD_NORM``, sharded checkpoints ``dcp_save``...) are not
-part of the contract: they are reached through ``platform.backend_primitives``, typed by the
-feature's own Protocol, and fail with ``NotImplementedError`` where absent.
+Features a backend may lack (the RNG primitives ``RNG``) are not part of the contract: they are
+reached through ``platform.backend_primitives``, typed by the feature's own Protocol, and fail with
+``NotImplementedError`` where absent.  Packages above the DTensor (FSDP, tensor parallelism,
+checkpoints) keep their framework code in their own ``platform/`` folders, not here.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from hp_dtensor.placement_types import Placement
-from hp_dtensor.redistribute_exec import PlanPrimitives
+from hp_dtensor.redistribute.executor import PlanPrimitives
 
 
 class Collectives(PlanPrimitives, Protocol):
@@ -98,12 +98,6 @@ class Backend(Protocol):
     def init_param_(self, param: Any, kind: str, std: float = 0.02) -> None:
         """Initialize in place: ``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
         ...
-
-    def loss_parallel(self) -> AbstractContextManager[None]: ...
-
-    def save_safetensors(self, tensors: dict[str, Any], path: str, metadata: dict[str, str] | None = None) -> None: ...
-
-    def load_safetensors(self, path: str) -> dict[str, Any]: ...
 
     # ----- modules: introspection and hooks -----
     @property

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hp_dtensor.layout.shard_geometry import local_offset
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.shard_geometry import local_offset
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 

@@ -3,8 +3,8 @@ only the layout and the size asked for."""
 
 from __future__ import annotations
 
+from hp_dtensor.layout.shard_geometry import local_shape
 from hp_dtensor.placement_types import Replicate, partials_replicated
-from hp_dtensor.shard_geometry import local_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 from hp_dtensor.sharding.strides import contiguous_strides
 

@@ -56,7 +56,7 @@ def slice_backward_rule(call: OpCall) -> Decision:
 def _local_sizes(
     sizes: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int], coord: Sequence[int] | None
 ) -> list[int]:
-    from hp_dtensor.shard_geometry import local_shape
+    from hp_dtensor.layout.shard_geometry import local_shape
 
     return list(local_shape(tuple(sizes), mesh_shape, placements, coord))
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hp_dtensor.placement_types import Placement, Replicate, Shard
-from hp_dtensor.redistribute_planner import step_cost as _step_cost
-from hp_dtensor.redistribute_planner import step_kind as _step_kind
+from hp_dtensor.redistribute.planner import step_cost as _step_cost
+from hp_dtensor.redistribute.planner import step_kind as _step_kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 # any/all give booleans: the any of every rank's any is their max, the all their min.

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Placement, Shard
-from hp_dtensor.shard_geometry import is_even
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -9,8 +9,8 @@ dims), so the local op gives this rank's piece of the output, uneven like the in
 
 from __future__ import annotations
 
+from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import Decision, OpCall
 from hp_dtensor.sharding.pointwise import _follow, _out_shape
 

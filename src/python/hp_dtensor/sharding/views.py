@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from hp_dtensor.layout.shard_geometry import local_shape
 from hp_dtensor.placement_types import Placement, Replicate, Shard
-from hp_dtensor.shard_geometry import local_shape
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 from hp_dtensor.sharding.pointwise import pointwise_rule
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from hp_checkpoint.hf_export import INDEX_NAME, ExportStats, export_hf_safetensors
 from hp_dtensor import DTensor
-from hp_dtensor.shard_geometry import local_shape_and_offset
+from hp_dtensor.layout.shard_geometry import local_shape_and_offset
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_protocols import BaseStateDictAdapter
-from hp_protocols.hf_export import INDEX_NAME, ExportStats, export_hf_safetensors
 
 _PREFIXES = ("model.language_model.", "model.")
 _SAFETENSORS_DTYPES = {

@@ -5,11 +5,9 @@ from typing import TYPE_CHECKING
 from hp_dtensor.platform.mindspore import dtensor as _dtensor
 from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
 from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
-from hp_dtensor.platform.mindspore.checkpoint import load_safetensors, save_safetensors
 from hp_dtensor.platform.mindspore.collectives import COLLECTIVES
 from hp_dtensor.platform.mindspore.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
-from hp_dtensor.platform.mindspore.loss_parallel import loss_parallel
 from hp_dtensor.platform.mindspore.modules import (
     FORWARD,
     Module,
@@ -51,7 +49,6 @@ from hp_dtensor.platform.mindspore.process_group import (
     serve_scheduler,
 )
 from hp_dtensor.platform.mindspore.rng import RNG
-from hp_dtensor.platform.mindspore.transfer import SHARD_FILES, TRANSFER
 
 _dtensor.install_dispatch(_dispatch)
 
@@ -70,12 +67,12 @@ if TYPE_CHECKING:
     _conforms: Backend = _self
 
 __all__ = [
-    "NAME", "COLLECTIVES", "SHARD_FILES", "TRANSFER", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
+    "NAME", "COLLECTIVES", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
     "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
-    "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel", "RNG",
-    "FORWARD", "add_child", "init_param_", "load_safetensors", "parameters", "register_buffer",
-    "register_param", "save_safetensors", "state_dict",
+    "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "RNG",
+    "FORWARD", "add_child", "init_param_", "parameters", "register_buffer",
+    "register_param", "state_dict",
 ]

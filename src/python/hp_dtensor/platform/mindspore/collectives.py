@@ -39,8 +39,8 @@ import numpy as np
 from mindspore import Tensor, mint, ops
 
 from hp_dtensor.comm_debug import record
+from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
 from hp_dtensor.platform.mindspore import world as PG
-from hp_dtensor.shard_geometry import chunk_size_and_offset
 
 _NATIVE_FLOATS = (ms.float32, ms.float16)
 

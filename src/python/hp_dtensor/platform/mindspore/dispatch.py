@@ -20,7 +20,10 @@ from typing import Any
 from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.dispatch_core import (
+from hp_dtensor.placement_types import Partial, Replicate
+from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
+from hp_dtensor.sharding.dispatch import (
     CachedCall,
     DispatchCore,
     call_key,
@@ -31,9 +34,6 @@ from hp_dtensor.dispatch_core import (
     unflatten_one_level,
     wrap_leaves,
 )
-from hp_dtensor.placement_types import Partial, Replicate
-from hp_dtensor.platform.mindspore.dtensor import DTensor
-from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
 from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo
 
 

@@ -18,14 +18,14 @@ import numpy as np
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor import from_local_check
-from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.dtensor_methods import (
+from hp_dtensor.api import from_local_check
+from hp_dtensor.api.dtensor_methods import (
     DTensorMethods,
     distribute_with,
     from_local_checked,
 )
-from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.layout.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
@@ -245,7 +245,7 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         naming each rank's value when the ranks disagree on ndim, dtype, placements or ``shape``,
         when the shards do not tile the global shape (equal shards without ``shape``), or when
         ranks sharing a ``Replicate`` mesh dim are not bit-identical (see
-        ``hp_dtensor.from_local_check``)."""
+        ``hp_dtensor.api.from_local_check``)."""
         mesh = resolve_mesh(device_mesh, "from_local")
         if isinstance(local_tensor, DTensor):
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")

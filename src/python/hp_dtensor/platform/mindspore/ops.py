@@ -11,11 +11,11 @@ from typing import Any
 
 from mindspore import Tensor, mint, ops
 
+from hp_dtensor.layout.shard_geometry import global_shape
 from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore import rng
 from hp_dtensor.platform.mindspore.dispatch import install_interceptors, kernel, register
-from hp_dtensor.shard_geometry import global_shape
 from hp_dtensor.sharding.embedding import embedding_rule, vocab_start
 from hp_dtensor.sharding.matrix import batch_labels, einsum_rule, matmul_equation
 from hp_dtensor.sharding.norms import layer_norm_rule, softmax_rule

@@ -23,10 +23,10 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor import redistribute_exec
 from hp_dtensor.placement_types import Partial, Placement
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.redistribute_exec import grad_placements as grad_placements  # re-exported
+from hp_dtensor.redistribute import executor as redistribute_exec
+from hp_dtensor.redistribute.executor import grad_placements as grad_placements  # re-exported
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from hp_dtensor.layout.shard_geometry import local_shape_and_offset
 from hp_dtensor.placement_types import Placement
-from hp_dtensor.shard_geometry import local_shape_and_offset
 
 _state: dict[str, Any] = {"seed": None, "offset": 0}
 
@@ -82,7 +82,7 @@ def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Pl
 
 
 class _MindSporeRNG:
-    """MindSpore's ``RNGPrimitives`` (see ``hp_dtensor.rng_tracker``): the seed is the job-wide
+    """MindSpore's ``RNGPrimitives`` (see ``hp_dtensor.api.rng_tracker``): the seed is the job-wide
     stream's above, exchanged over mccl, so ``hp_dtensor.manual_seed(seed, mesh)`` seeds it and
     checks that every rank passed the same seed."""
 

@@ -7,12 +7,19 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from hp_dtensor.dispatch_core import (
+from hp_dtensor.layout.shard_geometry import is_even
+from hp_dtensor.placement_types import Partial, Replicate
+from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
+from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
+from hp_dtensor.platform.torch.redistribute import redistribute_local
+from hp_dtensor.sharding.dispatch import (
     CachedCall,
     DispatchCore,
     call_key,
@@ -23,12 +30,6 @@ from hp_dtensor.dispatch_core import (
     unflatten_one_level,
     wrap_leaves,
 )
-from hp_dtensor.placement_types import Partial, Replicate
-from hp_dtensor.platform.torch import loss_parallel as _loss_parallel
-from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
-from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
-from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.shard_geometry import is_even
 from hp_dtensor.sharding.op_call import OpTable, Rule, TensorInfo
 from hp_dtensor.sharding.strides import global_strides
 
@@ -40,7 +41,29 @@ KERNELS = _TABLE.kernels
 _CORE = DispatchCore(_TABLE, str)
 _warned = _CORE.warned  # ops that fell back to replication (tests read it)
 _cache_get = _CORE.cache.get
-_loss_parallel_state = _loss_parallel._state
+
+# Features built on the DTensor (loss parallel in hp_tp) take over some ops while a context of
+# theirs is active: the context pushes an interceptor (op, args, kwargs) -> call-or-None on this
+# thread and pops it on exit.  Outside such a context the check is one attribute read.
+OpInterceptor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Callable[[], Any] | None]
+_interceptors = threading.local()
+
+
+def push_interceptor(fn: OpInterceptor) -> None:
+    stack = getattr(_interceptors, "stack", None)
+    _interceptors.stack = (stack or ()) + (fn,)
+
+
+def pop_interceptor(fn: OpInterceptor) -> None:
+    stack = _interceptors.stack
+    if not stack or stack[-1] is not fn:
+        raise RuntimeError("DTensor op interceptors were popped out of order")
+    _interceptors.stack = stack[:-1] or None
+
+
+def _intercepting() -> bool:
+    return getattr(_interceptors, "stack", None) is not None
+
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KEY = object()
 
@@ -156,10 +179,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     kind, pointwise, _, _, local_op = _op_facts.get(op) or _facts(func)
     if kind == _FOREACH:
         return _dispatch_foreach(func, args, kwargs)
-    if getattr(_loss_parallel_state, "depth", 0):
-        kernel_call = _loss_parallel.override(func, args, kwargs)
-        if kernel_call is not None:
-            return kernel_call()
+    stack = getattr(_interceptors, "stack", None)
+    if stack is not None:
+        for intercept in reversed(stack):
+            kernel_call = intercept(func, args, kwargs)
+            if kernel_call is not None:
+                return kernel_call()
     if kind == _RANDOM and args and isinstance(args[0], DTensor):
         return run_random(func, args, kwargs)
     key = call_key(op, args, kwargs, DTensor, torch.Tensor, _plain_key, pointwise)
@@ -373,7 +398,7 @@ def _foreach_locally(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n
     """A pointwise foreach op whose list entries at each position are DTensors of one layout with
     no Partial (what an optimizer step passes) runs as one local foreach call on the shards: the
     rule would keep every layout and move nothing.  (False, None) when it does not apply."""
-    if kwargs or not _is_pointwise(func) or _loss_parallel.enabled():
+    if kwargs or not _is_pointwise(func) or _intercepting():
         return False, None
     lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
     specs: list[DTensorSpec] = []

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from hp_dtensor import from_local_check
-from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.dtensor_methods import (
+from hp_dtensor.api import from_local_check
+from hp_dtensor.api.dtensor_methods import (
     DTensorMethods,
     distribute_with,
     from_local_checked,
 )
-from hp_dtensor.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.layout.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.placement_types import Placement, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
@@ -89,19 +89,19 @@ class DTensor(DTensorMethods, torch.Tensor):
             f"placements={self._spec.placements})"
         )
 
-    # ----- torch.distributed.checkpoint extension hooks (see dcp.py) -----
+    # ----- torch.distributed.checkpoint extension hooks (see dcp_hooks.py) -----
     def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
-        from hp_dtensor.platform.torch import dcp
+        from hp_dtensor.platform.torch import dcp_hooks as dcp
 
         return dcp.create_write_items(self._local_tensor, self._spec, fqn)
 
     def __create_chunk_list__(self) -> list[Any]:
-        from hp_dtensor.platform.torch import dcp
+        from hp_dtensor.platform.torch import dcp_hooks as dcp
 
         return dcp.create_chunk_list(self._spec)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        from hp_dtensor.platform.torch import dcp
+        from hp_dtensor.platform.torch import dcp_hooks as dcp
 
         return dcp.get_tensor_shard(self._local_tensor, self._spec, index)
 
@@ -139,7 +139,7 @@ class DTensor(DTensorMethods, torch.Tensor):
         strides).  ``run_check=True`` exchanges one fixed-size record per rank (ndim, shape, dtype,
         placements, ``shape``, a digest of the data's bytes) and raises the same ``ValueError`` on
         every rank, naming each rank's value, when they do not describe one DTensor -- including
-        ``Replicate`` shards that are not bit-identical (see ``hp_dtensor.from_local_check``)."""
+        ``Replicate`` shards that are not bit-identical (see ``hp_dtensor.api.from_local_check``)."""
         mesh = resolve_mesh(device_mesh, "from_local")
         if run_check:
             spec = from_local_check.checked_spec(

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from hp_dtensor.layout.shard_geometry import local_offset, local_shape
 from hp_dtensor.placement_types import Partial, Replicate, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
-from hp_dtensor.redistribute_exec import reduce_over
-from hp_dtensor.shard_geometry import local_offset, local_shape
+from hp_dtensor.redistribute.executor import reduce_over
 from hp_dtensor.sharding.attention import sdpa_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule, vocab_start
 from hp_dtensor.sharding.factories import like_factory_rule, new_factory_rule

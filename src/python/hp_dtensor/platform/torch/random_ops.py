@@ -1,7 +1,7 @@
 """Random aten ops on DTensors: draw the global tensor, keep this rank's shard.
 
 The policy (why every rank draws the global tensor, when generator states are synchronised) is
-in ``hp_dtensor.rng_tracker``; this module is torch's half: which aten ops draw random numbers,
+in ``hp_dtensor.api.rng_tracker``; this module is torch's half: which aten ops draw random numbers,
 how each one's global draw is made from a stand-in of the global shape, and the generator
 primitives the tracker needs.
 
@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from hp_dtensor.api.rng_tracker import ensure_synced
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.placement_types import Placement, Replicate, partials_replicated
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
-from hp_dtensor.redistribute_exec import run_plan
-from hp_dtensor.redistribute_planner import plan_distribute
-from hp_dtensor.rng_tracker import ensure_synced
+from hp_dtensor.redistribute.executor import run_plan
+from hp_dtensor.redistribute.planner import plan_distribute
 
 aten = torch.ops.aten
 

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hp_dtensor import redistribute_exec
 from hp_dtensor.placement_types import Placement
 from hp_dtensor.platform.torch import collectives as C
-from hp_dtensor.redistribute_exec import grad_placements as grad_placements  # re-exported
+from hp_dtensor.redistribute import executor as redistribute_exec
+from hp_dtensor.redistribute.executor import grad_placements as grad_placements  # re-exported
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh

@@ -1,0 +1,434 @@
+"""Atomic, verified checkpoint directories: staging, manifest with checksums, commit, pruning.
+
+A checkpoint root holds complete checkpoints ``<root>/step-<N>/`` (``N`` zero-padded to 8 digits
+so names sort).  A save writes into ``<root>/.staging-step-<N>-<nonce>/`` on the same filesystem,
+fsyncs every file, writes ``manifest.json`` LAST (fsynced), renames the staging directory to
+``step-<N>`` and fsyncs the root.  A crash at any moment therefore leaves either the previous
+complete checkpoints alone or the new one complete as well; a directory without a valid
+manifest is never loaded.  The manifest records every file's size and sha256 (a load verifies
+them before using anything) and every tensor's global shape and dtype (a load refuses a tensor
+that does not fit, naming it).
+
+Pure Python (json, hashlib, os): both frameworks' checkpoint formats share it.  ``manifest.json``::
+
+    {"format": "hyper-parallel-checkpoint", "version": 1, "framework": "torch" | "mindspore",
+     "kind": "dcp" | "safetensors-shards", "step": N,
+     "files": {relpath: {"bytes": int, "sha256": hex}},
+     "tensors": {fqn: {"shape": [...], "dtype": "float32" | "bfloat16" | ...}},
+     "extra": {...}}
+
+dtype names are framework-neutral lowercase strings (``float32``, ``bfloat16``, ``int64``, ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hp_dtensor.layout.shard_boxes import CheckpointError
+
+FORMAT = "hyper-parallel-checkpoint"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STEP_DIGITS = 8
+
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+_STAGING_PREFIX = ".staging-step-"
+_TRASH_PREFIX = ".trash-step-"
+_TRASH_RE = re.compile(r"^\.trash-step-(\d{8})-[0-9A-Za-z]+$")
+_CHUNK = 1 << 20
+
+
+class Framework(enum.StrEnum):
+    """Which framework wrote a checkpoint."""
+
+    TORCH = "torch"
+    MINDSPORE = "mindspore"
+
+
+class CheckpointKind(enum.StrEnum):
+    """How the tensors are stored: a ``torch.distributed.checkpoint`` directory, or one
+    safetensors file of shards per rank."""
+
+    DCP = "dcp"
+    SAFETENSORS_SHARDS = "safetensors-shards"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the checkpoint: its size in bytes and the sha256 of its contents (hex)."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the checkpoint: its global shape and neutral dtype name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds; ``manifest.json`` is its JSON form."""
+
+    framework: Framework
+    kind: CheckpointKind
+    step: int
+    files: Mapping[str, FileEntry]
+    tensors: Mapping[str, TensorEntry] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "framework": str(Framework(self.framework)),
+            "kind": str(CheckpointKind(self.kind)),
+            "step": self.step,
+            "files": {k: {"bytes": v.bytes, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+            "tensors": {k: {"shape": list(v.shape), "dtype": v.dtype} for k, v in sorted(self.tensors.items())},
+            "extra": dict(self.extra),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def fsync_file(path: str) -> None:
+    """Flush ``path``'s contents to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (creations, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_entry(path: str) -> FileEntry:
+    """Size and sha256 of ``path``, read in 1 MiB chunks (never the whole file in memory)."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return FileEntry(bytes=n, sha256=h.hexdigest())
+
+
+def file_entries(directory: str, relpaths: Iterable[str], *, fsync: bool = True) -> dict[str, FileEntry]:
+    """``file_entry`` of each ``relpath`` under ``directory`` (fsynced first unless told not to):
+    what one rank contributes to the manifest for the files it wrote."""
+    out = {}
+    for rel in relpaths:
+        path = os.path.join(directory, _checked_relpath(rel, directory))
+        if fsync:
+            fsync_file(path)
+        out[rel] = file_entry(path)
+    return out
+
+
+def _checked_relpath(rel: str, where: str) -> str:
+    """A manifest path must stay inside the checkpoint directory."""
+    norm = os.path.normpath(rel)
+    if not rel or os.path.isabs(rel) or norm.startswith("..") or norm != rel or rel == MANIFEST_NAME:
+        raise CheckpointError(
+            f"checkpoint {where}: manifest lists file {rel!r}, which is not a plain relative path inside "
+            f"the checkpoint directory; the manifest is damaged, use another checkpoint"
+        )
+    return rel
+
+
+# ---------------------------------------------------------------------------------------------
+# the manifest
+
+
+def write_manifest(staging_dir: str, manifest: Manifest) -> str:
+    """Write ``manifest.json`` into ``staging_dir`` (through a temporary file, fsynced, renamed)
+    and fsync the directory.  Call it after every listed file is written and fsynced."""
+    for rel in manifest.files:
+        _checked_relpath(rel, staging_dir)
+    path = os.path.join(staging_dir, MANIFEST_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(staging_dir)
+    return path
+
+
+def _bad(directory: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {directory}: {MANIFEST_NAME} {what}; the checkpoint is damaged or was not written "
+        f"by this library: use another checkpoint"
+    )
+
+
+def _field(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], directory: str, where: str) -> Any:
+    at = f" {where}" if where else ""
+    if key not in obj:
+        raise _bad(directory, f"has no {key!r}{at}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _bad(directory, f"has {key!r}{at} of type {type(value).__name__}: {value!r:.80}")
+    return value
+
+
+def read_manifest(directory: str) -> Manifest:
+    """Parse ``<directory>/manifest.json``; raises ``CheckpointError`` when it is missing (the save
+    never finished), not JSON, or not a manifest of a format version this library reads."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint {directory}: no such directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {directory}: no {MANIFEST_NAME}, so the save that wrote it did not finish; "
+            f"it is incomplete and is never loaded: use an earlier checkpoint"
+        ) from None
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(directory, f"is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise _bad(directory, f"is a JSON {type(raw).__name__}, not an object")
+    if raw.get("format") != FORMAT:
+        raise _bad(directory, f"has format {raw.get('format')!r}, expected {FORMAT!r}")
+    version = _field(raw, "version", int, directory, "")
+    if version != VERSION:
+        raise CheckpointError(
+            f"checkpoint {directory}: {MANIFEST_NAME} is format version {version}; this library reads "
+            f"version {VERSION}: use the library version that wrote it"
+        )
+    framework_s = _field(raw, "framework", str, directory, "")
+    kind_s = _field(raw, "kind", str, directory, "")
+    try:
+        framework = Framework(framework_s)
+        kind = CheckpointKind(kind_s)
+    except ValueError:
+        raise _bad(
+            directory,
+            f"has framework {framework_s!r} / kind {kind_s!r}; known: {[str(f) for f in Framework]} / "
+            f"{[str(k) for k in CheckpointKind]}",
+        ) from None
+    step = _field(raw, "step", int, directory, "")
+    files: dict[str, FileEntry] = {}
+    for rel, entry in _field(raw, "files", dict, directory, "").items():
+        _checked_relpath(rel, directory)
+        if not isinstance(entry, dict):
+            raise _bad(directory, f"has a non-object entry for file {rel!r}")
+        n = _field(entry, "bytes", int, directory, f"for file {rel!r}")
+        sha = _field(entry, "sha256", str, directory, f"for file {rel!r}")
+        if n < 0 or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise _bad(directory, f"has an invalid size/sha256 for file {rel!r}: {n}, {sha!r:.80}")
+        files[rel] = FileEntry(bytes=n, sha256=sha)
+    tensors: dict[str, TensorEntry] = {}
+    for fqn, entry in _field(raw, "tensors", dict, directory, "").items():
+        if not isinstance(entry, dict):
+            raise _bad(directory, f"has a non-object entry for tensor {fqn!r}")
+        shape = _field(entry, "shape", list, directory, f"for tensor {fqn!r}")
+        dtype = _field(entry, "dtype", str, directory, f"for tensor {fqn!r}")
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise _bad(directory, f"has an invalid shape for tensor {fqn!r}: {shape!r:.80}")
+        tensors[fqn] = TensorEntry(shape=tuple(shape), dtype=dtype)
+    extra = _field(raw, "extra", dict, directory, "")
+    return Manifest(framework=framework, kind=kind, step=step, files=files, tensors=tensors, extra=extra)
+
+
+def verify_checkpoint(directory: str, *, check_hashes: bool = True) -> Manifest:
+    """Check that ``directory`` is a complete checkpoint: its manifest parses and every listed
+    file exists with the listed size and (under ``check_hashes``) sha256.  Raises
+    ``CheckpointError`` naming the first file that is missing, truncated (size differs) or
+    corrupted (checksum differs), or the manifest problem."""
+    manifest = read_manifest(directory)
+    for rel, want in sorted(manifest.files.items()):
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"checkpoint {directory}: file {rel!r} is missing (the manifest lists it with "
+                f"{want.bytes} bytes); the checkpoint is damaged: use another checkpoint"
+            )
+        size = os.path.getsize(path)
+        if size != want.bytes:
+            what = "truncated" if size < want.bytes else "longer than written"
+            raise CheckpointError(
+                f"checkpoint {directory}: file {rel!r} is {what}: {size} bytes, the manifest says "
+                f"{want.bytes}; the checkpoint is damaged: use another checkpoint"
+            )
+    if check_hashes:
+        for rel, want in sorted(manifest.files.items()):
+            got = file_entry(os.path.join(directory, rel))
+            if got.sha256 != want.sha256:
+                raise CheckpointError(
+                    f"checkpoint {directory}: file {rel!r} is corrupted: its sha256 is {got.sha256[:16]}..., "
+                    f"the manifest says {want.sha256[:16]}...; the checkpoint is damaged: use another checkpoint"
+                )
+    return manifest
+
+
+def check_tensor(manifest: Manifest, fqn: str, shape: Sequence[int], dtype: str, *, where: str = "") -> None:
+    """Raise ``CheckpointError`` naming ``fqn`` unless the manifest holds it with this global
+    ``shape`` and ``dtype``."""
+    at = f" {where}" if where else ""
+    entry = manifest.tensors.get(fqn)
+    if entry is None:
+        near = sorted(manifest.tensors)[:6]
+        raise CheckpointError(
+            f"checkpoint{at} (step {manifest.step}) has no tensor {fqn!r}; it holds {len(manifest.tensors)} "
+            f"tensors, e.g. {near}"
+        )
+    if tuple(entry.shape) != tuple(shape) or entry.dtype != dtype:
+        raise CheckpointError(
+            f"checkpoint{at} (step {manifest.step}): tensor {fqn!r} is {entry.dtype} of global shape "
+            f"{tuple(entry.shape)}, but it is loaded into {dtype} of global shape {tuple(shape)}"
+        )
+
+
+def check_tensors(
+    manifest: Manifest,
+    expected: Mapping[str, tuple[Sequence[int], str]],
+    *,
+    strict: bool = True,
+    where: str = "",
+) -> None:
+    """``check_tensor`` for every ``fqn -> (shape, dtype)`` in ``expected`` (in sorted order, so
+    every rank names the same first offender); missing tensors are skipped unless ``strict``."""
+    for fqn in sorted(expected):
+        if not strict and fqn not in manifest.tensors:
+            continue
+        shape, dtype = expected[fqn]
+        check_tensor(manifest, fqn, shape, dtype, where=where)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint root
+
+
+def step_name(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step >= 10**STEP_DIGITS:
+        raise ValueError(f"checkpoint step must be an int in [0, {10**STEP_DIGITS}), got {step!r}")
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def new_nonce() -> str:
+    """A random suffix for a staging directory (rank 0 draws it and shares it with the others)."""
+    return secrets.token_hex(6)
+
+
+def staging_dir(root: str, step: int, nonce: str | None = None) -> str:
+    """Create (if needed) and return ``<root>/.staging-step-<N>-<nonce>``.  Every rank of one save
+    passes the same ``nonce``; without one a fresh one is drawn."""
+    name = step_name(step)
+    nonce = new_nonce() if nonce is None else nonce
+    if not re.fullmatch(r"[0-9A-Za-z]+", nonce):
+        raise ValueError(f"staging nonce must be alphanumeric, got {nonce!r}")
+    path = os.path.join(root, f".staging-{name}-{nonce}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def commit(staging: str, root: str, step: int) -> str:
+    """Rename a finished staging directory (its manifest written, for this ``step``) to
+    ``<root>/step-<N>`` and fsync the root; returns the final path.  A complete checkpoint of the
+    same step already there is replaced (moved aside first, removed after)."""
+    manifest = read_manifest(staging)
+    if manifest.step != step:
+        raise CheckpointError(f"commit of {staging}: its manifest is for step {manifest.step}, not {step}")
+    final = os.path.join(root, step_name(step))
+    trash = None
+    if os.path.exists(final):
+        trash = os.path.join(root, f"{_TRASH_PREFIX}{step:0{STEP_DIGITS}d}-{new_nonce()}")
+        os.rename(final, trash)
+    os.rename(staging, final)
+    fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``step-<N>`` directory under ``root`` whose manifest parses and
+    names step ``N``, oldest first (file contents are not hashed here: ``verify_checkpoint``).
+
+    A re-save of an existing step moves the old checkpoint aside before renaming the new one in; a
+    crash between the two renames leaves only the moved-aside copy, which still counts as step
+    ``N`` (it is complete, and the new one never was)."""
+    if not os.path.isdir(root):
+        return []
+    found: dict[int, str] = {}
+    aside: dict[int, str] = {}
+    for name in os.listdir(root):
+        m = _STEP_RE.match(name) or _TRASH_RE.match(name)
+        if m is None:
+            continue
+        path = os.path.join(root, name)
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        if manifest.step == int(m.group(1)):
+            (found if name.startswith("step-") else aside)[manifest.step] = path
+    for step, path in aside.items():
+        found.setdefault(step, path)
+    return sorted(found.items())
+
+
+def newest_complete(root: str) -> tuple[int, str] | None:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` complete checkpoints, and every staging or moved-aside
+    directory (left by saves that crashed); returns the removed paths.  Directories named like a
+    checkpoint but without a valid manifest are left for the user to inspect.  Call it only when
+    no save into ``root`` is in progress."""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise ValueError(f"prune: keep must be an int >= 1 (the newest checkpoint is never removed), got {keep!r}")
+    removed = []
+    complete = complete_checkpoints(root)
+    for _, path in complete[:-keep]:
+        shutil.rmtree(path)
+        removed.append(path)
+    kept = {path for _, path in complete[-keep:]}
+    if os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            path = os.path.join(root, name)
+            if name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)) and path not in kept:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+__all__ = [
+    "FORMAT", "MANIFEST_NAME", "VERSION", "CheckpointError", "CheckpointKind", "FileEntry", "Framework",
+    "Manifest", "TensorEntry", "check_tensor", "check_tensors", "commit", "complete_checkpoints",
+    "file_entries", "file_entry", "fsync_dir", "fsync_file", "new_nonce", "newest_complete", "prune",
+    "read_manifest", "staging_dir", "step_name", "verify_checkpoint", "write_manifest",
+]

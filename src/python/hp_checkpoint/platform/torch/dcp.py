@@ -1,0 +1,157 @@
+"""Checked ``torch.distributed.checkpoint`` (DCP) save and load of state dicts holding DTensors.
+
+The DTensor answers DCP's extension hooks itself (which box each rank writes and reads), so
+``dcp.save`` writes each rank's own shard once and ``dcp.load`` reads this rank's slice of any
+saved layout.  ``load`` adds what DCP's default planner leaves out: a dtype check (DCP would cast
+silently), and one error naming the tensor raised on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from hp_checkpoint.platform.torch.dcp_reader import FastFileSystemReader
+from hp_dtensor.layout.dtensor_spec import DTensorSpec
+from hp_dtensor.layout.shard_boxes import CheckpointError, check_no_partial
+
+
+class CheckedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus: every tensor's global shape and dtype must match the
+    checkpoint, and no target may be ``Partial``; errors name the tensor."""
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            if md is None:
+                if self.allow_partial_load:
+                    continue
+                near = sorted(saved)[:8]
+                raise CheckpointError(
+                    f"checkpoint has no entry {fqn!r} (it holds {len(saved)} entries, e.g. {near}); "
+                    f"pass strict=False to load the entries it has"
+                )
+            if not isinstance(obj, torch.Tensor):
+                continue
+            if isinstance(md, BytesStorageMetadata):
+                raise CheckpointError(
+                    f"checkpoint entry {fqn!r} is a Python object, but the state dict expects a tensor "
+                    f"of shape {tuple(obj.shape)}"
+                )
+            if tuple(md.size) != tuple(obj.shape) or md.properties.dtype != obj.dtype:
+                raise CheckpointError(
+                    f"checkpoint entry {fqn!r} is {md.properties.dtype} of global shape {tuple(md.size)}, "
+                    f"but the state dict expects {obj.dtype} of global shape {tuple(obj.shape)}"
+                )
+            spec = getattr(obj, "_spec", None)  # a DTensor (this module cannot import dtensor: it imports us)
+            if isinstance(spec, DTensorSpec):
+                check_no_partial(fqn, spec.placements)
+        return super().create_local_plan()
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Without a process group a save or load is a one-process one, as intended: DCP's warning
+    that it assumes so is noise here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> CheckpointError:
+    """DCP gathers every rank's failure and raises the same ``CheckpointException`` (a
+    ``BaseException``) everywhere; turn it into one ``CheckpointError`` naming the first failure."""
+    failures = exc.failures
+    first = min(failures)
+    err = failures[first]
+    inner = err[0] if isinstance(err, tuple) else err
+    return CheckpointError(f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}: {inner}")
+
+
+def save(state_dict: dict[str, Any], checkpoint_id: Any) -> None:
+    """``dcp.save``: every rank writes its own shards of ``state_dict`` under ``checkpoint_id``."""
+    try:
+        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint save to", checkpoint_id) from None
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True) -> None:
+    """``dcp.load`` in place into ``state_dict`` (each DTensor reads only its own slice, whatever
+    layout saved it), after checking keys, global shapes and dtypes; raises ``CheckpointError``
+    on every rank naming the first offending tensor.  ``strict=False`` skips keys the checkpoint
+    lacks."""
+    try:
+        with _one_process_is_intended():
+            dcp.load(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_reader=FastFileSystemReader(checkpoint_id),
+                planner=CheckedLoadPlanner(allow_partial_load=not strict),
+                no_dist=not dist.is_initialized(),
+            )
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint load from", checkpoint_id) from None
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer (one file per rank, fsynced), remembering the files this rank wrote, so
+    that each rank can checksum its own files for the checkpoint manifest."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.written: set[str] = set()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)
+        for result in fut.value():
+            self.written.add(result.storage_data.relative_path)
+        return fut
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        self.written.add(".metadata")  # the coordinator's index of every rank's items
+
+
+def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list[str]:
+    """``save`` into ``directory`` (DCP's collectives on ``group``, default the world); returns
+    the paths (relative to it) of the files this rank wrote, each fsynced, once every rank has
+    finished (DCP's closing collective)."""
+    writer = _RecordingWriter(directory)
+    try:
+        with _one_process_is_intended():
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise _reraise(e, "checkpoint save to", directory) from None
+    return sorted(writer.written)
+
+
+def tensor_meta(value: Any) -> tuple[tuple[int, ...], str] | None:
+    """Global shape and neutral dtype name (``float32``, ``bfloat16``, ...) of a tensor or
+    DTensor; ``None`` for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(value.shape), str(value.dtype).removeprefix("torch.")

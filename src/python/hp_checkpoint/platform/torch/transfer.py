@@ -1,0 +1,72 @@
+"""Point-to-point box transfer primitives of torch (``TransferPrimitives``).
+
+Sends and receives (issued by the collectives module) go over the default (world) process group
+with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
+rank, world size, object gather, spec and shape are the neutral ``TransferBase``.  dtype names
+are the framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hp_checkpoint.gather_to_rank import TransferBase
+from hp_dtensor.platform.torch import collectives as C
+from hp_dtensor.platform.torch.dtensor import DTensor
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _NAMES:
+        raise ValueError(f"dtype {dtype} has no checkpoint name; supported: {sorted(_DTYPES)}")
+    return _NAMES[dtype]
+
+
+class _TorchTransfer(TransferBase):
+    @staticmethod
+    def local_of(t: Any) -> torch.Tensor:
+        return (t._local_tensor if isinstance(t, DTensor) else t).detach()
+
+    @staticmethod
+    def dtype_name(t: Any) -> str:
+        return dtype_name(t.dtype)
+
+    @staticmethod
+    def itemsize(name: str) -> int:
+        return to_dtype(name).itemsize
+
+    @staticmethod
+    def empty(shape: Sequence[int], name: str) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=to_dtype(name))
+
+    @staticmethod
+    def put_box(buf: torch.Tensor, offsets: Sequence[int], piece: torch.Tensor) -> None:
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+        with torch.no_grad():
+            buf[index].copy_(piece)
+
+    @staticmethod
+    def send(t: torch.Tensor, dst: int) -> None:
+        C.send(t, dst)
+
+    @staticmethod
+    def recv(shape: Sequence[int], name: str, src: int) -> torch.Tensor:
+        return C.recv(torch.empty(tuple(shape), dtype=to_dtype(name)), src)
+
+
+TRANSFER = _TorchTransfer()
