@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from hp_dtensor.platform import package_backend
+from hp_fsdp.platform import framework_module
 
 Tensor = Any  # the framework's tensor type
 
@@ -32,5 +32,5 @@ class GradNormPrimitives(Protocol):
 
 
 def grad_norm_primitives() -> GradNormPrimitives:
-    prims: GradNormPrimitives = package_backend("hp_fsdp", "clip_grad_norm_").GRAD_NORM
+    prims: GradNormPrimitives = framework_module("clip_grad_norm_").GRAD_NORM
     return prims

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from hp_dtensor import DeviceMesh, Placement
-from hp_dtensor.platform import package_backend
+from hp_fsdp.platform import framework_module
 
 Tensor = Any  # the framework's tensor type (torch.Tensor, mindspore.Tensor)
 
@@ -57,5 +57,5 @@ class FSDPPrimitives(Protocol):
 
 
 def fsdp_primitives() -> FSDPPrimitives:
-    prims: FSDPPrimitives = package_backend("hp_fsdp", "fully_shard").FSDP
+    prims: FSDPPrimitives = framework_module("fully_shard").FSDP
     return prims
