@@ -40,6 +40,8 @@ from hp_dtensor.platform.mindspore.modules import (
     track_module_forward,
 )
 from hp_dtensor.platform.mindspore.process_group import (
+    DEVICE_TYPES,
+    default_device_type,
     destroy,
     ensure_process_group,
     get_or_create_group,
@@ -74,7 +76,7 @@ __all__ = [
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
-    "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
+    "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
     "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "loss_parallel", "RNG",
     "FORWARD", "add_child", "init_param_", "load_safetensors", "parameters", "register_buffer",
     "register_param", "save_safetensors", "state_dict",
