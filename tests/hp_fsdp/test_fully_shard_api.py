@@ -161,8 +161,8 @@ def _bad(rank: int, world: int, which: str) -> str:
         elif which == "3d_mesh":
             m3 = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("a", "b", "c"))
             fully_shard(model, mesh=m3)
-        elif which == "no_mesh":
-            fully_shard(model)
+        elif which == "mesh_not_a_mesh":
+            fully_shard(model, mesh="dp")
         elif which == "not_a_module":
             fully_shard(torch.zeros(3), mesh=_mesh(world))
         elif which == "mixed_dtypes":
@@ -208,7 +208,7 @@ def _bad(rank: int, world: int, which: str) -> str:
     [
         ("twice", "ValueError: fully_shard was already applied"),
         ("3d_mesh", "ValueError: fully_shard takes a 1-D mesh (FSDP) or a 2-D"),
-        ("no_mesh", "ValueError: fully_shard needs mesh="),
+        ("mesh_not_a_mesh", "TypeError: fully_shard: mesh must be a DeviceMesh, got str"),
         ("not_a_module", "TypeError: fully_shard takes a module, got Tensor"),
         ("mixed_dtypes", "ValueError: fully_shard gathers a group's parameters in one buffer"),
         ("scalar", "ValueError: fully_shard shards dim 0 of every parameter, but 'scale' is a scalar"),

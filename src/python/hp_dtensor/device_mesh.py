@@ -33,6 +33,11 @@ class DeviceMesh:
         _init_groups: bool = True,
     ) -> None:
         plat = _platform()
+        if _layout is None:
+            # A mesh the caller builds gets the same device check and start-up as init_device_mesh
+            # (a sliced or internal mesh inherits a device_type that already passed them).
+            device_type = check_device_type(device_type)
+            plat.ensure_process_group(device_type)
         self.device_type = device_type
         if _layout is None:
             shape, ranks = _shape_and_ranks(mesh)
@@ -200,14 +205,52 @@ def _shape_and_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(shape), tuple(flat)
 
 
+# Names users write for a device kind that meshes spell otherwise (torch's spelling).
+_SPELLED_OTHERWISE = {"gpu": "cuda", "ascend": "npu"}
+
+
+def check_device_type(device_type: object) -> str:
+    """The rule for a mesh's ``device_type``, applied by ``DeviceMesh`` and ``init_device_mesh``
+    alike: a device kind, spelled as torch spells it and without an index, that the backend runs
+    collectives on (torch: "cpu" gloo, "cuda" nccl, "npu" hccl through torch_npu; MindSpore: "cpu"
+    mccl, "npu" hccl).  Returns it; ``TypeError`` for a non-string, ``ValueError`` naming the value
+    and the accepted kinds otherwise.  Whether the device is present is the backend's check, made
+    when the process group starts."""
+    plat = _platform()
+    accepted = sorted(plat.DEVICE_TYPES)
+    if not isinstance(device_type, str):
+        kind = getattr(device_type, "type", None)
+        hint = f"; pass its kind, device_type={kind!r}" if isinstance(kind, str) else ""
+        raise TypeError(
+            f"device_type must be a str, one of {accepted}, got {type(device_type).__name__} {device_type!r}{hint}"
+        )
+    if device_type in plat.DEVICE_TYPES:
+        return device_type
+    kind = device_type.split(":", 1)[0].strip().lower()
+    kind = _SPELLED_OTHERWISE.get(kind, kind)
+    if ":" in device_type and kind in plat.DEVICE_TYPES:
+        hint = (f"; a mesh names the device kind, not one device (each rank uses its own local device): "
+                f"pass {kind!r}")
+    elif kind in plat.DEVICE_TYPES:
+        hint = f"; did you mean {kind!r}?"
+    elif kind == "meta":
+        hint = ("; a mesh needs devices that run collectives: build the model on the meta device and the mesh "
+                "on the device it will run on")
+    else:
+        hint = ""
+    raise ValueError(f"device_type {device_type!r} is not one of {accepted} on {plat.NAME}{hint}")
+
+
 def init_device_mesh(
     device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
 ) -> DeviceMesh:
     """Create a mesh over ranks ``0..prod(mesh_shape)-1`` (row-major).
 
     Starts the default process group from the launcher's environment (torchrun) when none exists.
-    ``device_type``: "cpu" (gloo), "cuda" (nccl), "npu" (hccl through torch_npu).
+    ``device_type``: see ``check_device_type`` (torch: "cpu" gloo, "cuda" nccl, "npu" hccl
+    through torch_npu; MindSpore: "cpu", "npu").
     """
+    device_type = check_device_type(device_type)
     shape = tuple(int(s) for s in mesh_shape)
     plat = _platform()
     plat.ensure_process_group(device_type)

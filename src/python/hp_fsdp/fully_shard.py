@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from hp_dtensor import DeviceMesh
+from hp_dtensor import DeviceMesh, init_device_mesh
 from hp_dtensor.device_mesh import get_current_mesh
 from hp_dtensor.platform import current as _platform
 from hp_fsdp.mesh_info import FSDPMeshInfo
@@ -104,7 +104,8 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[Any] | None = None,
 ) -> M:
-    """Shard ``module``'s parameters over ``mesh`` (default: the current ``with mesh:``), FSDP2
+    """Shard ``module``'s parameters over ``mesh`` (default: the current ``with mesh:``, else, as
+    torch's, a 1-D mesh over the whole world on the accelerator when there is one), FSDP2
     semantics.  ``mesh`` 1-D: FSDP; 2-D ``(replicate, shard)``: HSDP.  ``reshard_after_forward``:
     True frees the gathered parameters after forward and gathers again for backward; False keeps
     them until after backward; None (default) is True except for the root, whose parameters
@@ -116,9 +117,10 @@ def fully_shard(
         raise TypeError(f"fully_shard takes a module, got {type(module).__name__}")
     if isinstance(getattr(module, _STATE, None), FSDPState):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once per module")
-    mesh = mesh or get_current_mesh()
     if mesh is None:
-        raise ValueError("fully_shard needs mesh= (a 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP)")
+        mesh = get_current_mesh() or _default_mesh()
+    elif not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     info = FSDPMeshInfo(mesh)
     reshard = _check_reshard(reshard_after_forward, info)
     mp = mp_policy or MixedPrecisionPolicy()
@@ -162,6 +164,15 @@ def fully_shard(
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})  # type: ignore[assignment]
     return module
+
+
+def _default_mesh() -> DeviceMesh:
+    """torch's default mesh: 1-D over every rank of the job, on the accelerator when there is one
+    (the process group starts from the launcher's environment when none exists)."""
+    plat = _platform()
+    device_type = plat.default_device_type()
+    plat.ensure_process_group(device_type)
+    return init_device_mesh(device_type, (plat.get_world_size(),))
 
 
 def _check_reshard(value: bool | int | None, info: FSDPMeshInfo) -> bool | None:

@@ -74,7 +74,9 @@ class _LastAnnotated:
     """The DTensor the last plain input was turned into, reused when the next styled layer gets
     the same tensor with the same layouts (q/k/v or gate/up projections of one input): like a
     hand-written layer, the input is gathered once and its gradient reduced once, instead of once
-    per consumer.  Only the last input is kept, checked by identity and in-place version."""
+    per consumer.  Only the last input is kept, checked by identity and in-place version; an
+    input without a version counter (made under inference mode) is never cached, since an in-place
+    change to it could not be seen."""
 
     ref: Any = None
     key: tuple[Any, ...] = ()
@@ -85,14 +87,15 @@ def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, s
     plat = _plat()
     k = local_layers()
     key: tuple[Any, ...] = ()
-    if k is not None:
-        key = (mesh, layout, desired, k.version(x), k.grad_enabled(), x.requires_grad, shape)
+    version = None if k is None else k.version(x)
+    if k is not None and version is not None:
+        key = (mesh, layout, desired, version, k.grad_enabled(), k.inference_mode(), x.requires_grad, shape)
         if _LastAnnotated.ref is not None and _LastAnnotated.ref() is x and _LastAnnotated.key == key:
             return _LastAnnotated.value
     dt = plat.DTensor.from_local(x, mesh, [layout], run_check=False, shape=shape)
     if dt.placements != (desired,):
         dt = dt.redistribute(mesh, [desired])
-    if k is not None:
+    if version is not None:
         try:
             _LastAnnotated.ref, _LastAnnotated.key, _LastAnnotated.value = weakref.ref(x), key, dt
         except TypeError:

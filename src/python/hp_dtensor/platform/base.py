@@ -49,6 +49,14 @@ class Backend(Protocol):
     FORWARD: str
 
     # ----- process groups -----
+    #: The mesh device kinds this backend runs collectives on (``device_mesh.check_device_type``).
+    DEVICE_TYPES: tuple[str, ...]
+
+    def default_device_type(self) -> str:
+        """The device kind of a mesh nobody named (``fully_shard`` without a mesh): the
+        accelerator when there is one, else "cpu"."""
+        ...
+
     def is_initialized(self) -> bool: ...
 
     def ensure_process_group(self, device_type: str) -> None: ...

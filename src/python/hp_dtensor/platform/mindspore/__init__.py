@@ -38,6 +38,8 @@ from hp_dtensor.platform.mindspore.modules import (
     track_module_forward,
 )
 from hp_dtensor.platform.mindspore.process_group import (
+    DEVICE_TYPES,
+    default_device_type,
     destroy,
     ensure_process_group,
     get_or_create_group,
@@ -71,7 +73,7 @@ __all__ = [
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
     "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
-    "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
+    "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake",
     "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "RNG",
     "FORWARD", "add_child", "init_param_", "parameters", "register_buffer",
     "register_param", "state_dict",

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hp_dtensor.device_mesh import check_device_type
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.world import _state
 from hp_dtensor.platform.mindspore.world import device_target as device_target  # re-exported
 from hp_dtensor.platform.mindspore.world import world_group as world_group  # re-exported
 
 _DEVICE_TARGET = {"cpu": "CPU", "npu": "Ascend"}
+DEVICE_TYPES = tuple(_DEVICE_TARGET)
 _LAUNCH_VARS = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM")
 
 _groups: dict[tuple[int, ...], str] = {}
@@ -30,11 +32,22 @@ def is_single_process() -> bool:
     return bool(_state["single"])
 
 
+def default_device_type() -> str:
+    """The device kind of a mesh nobody named: the one this process runs MindSpore on once it has
+    joined a job, else the target this MindSpore was built for ("npu" on Ascend, else "cpu")."""
+    if _state["initialized"]:
+        target = str(_state["device"])
+    else:
+        import mindspore as ms
+
+        target = str(ms.get_context("device_target"))
+    return "npu" if target == "Ascend" else "cpu"
+
+
 def ensure_process_group(device_type: str) -> None:
     """Join the job the launcher started (msrun or the MS_* variables); a world of one when the
     process was started on its own."""
-    if device_type not in _DEVICE_TARGET:
-        raise ValueError(f"device_type {device_type!r} is not one of {sorted(_DEVICE_TARGET)} on MindSpore")
+    device_type = check_device_type(device_type)
     if _state["initialized"]:
         if _DEVICE_TARGET[device_type] != _state["device"]:
             raise RuntimeError(

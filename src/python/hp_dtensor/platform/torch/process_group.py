@@ -9,13 +9,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.device_mesh import check_device_type
+
 _BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+DEVICE_TYPES = tuple(_BACKEND_OF_DEVICE)
 _groups: dict[tuple[int, ...], Any] = {}
 
 
+def default_device_type() -> str:
+    """torch's default for a mesh nobody named: the accelerator when there is one (and this
+    library has a backend for it), else "cpu"."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    return acc.type if acc is not None and acc.type in _BACKEND_OF_DEVICE else "cpu"
+
+
 def backend_for(device_type: str) -> str:
-    if device_type not in _BACKEND_OF_DEVICE:
-        raise ValueError(f"device_type {device_type!r} is not one of {sorted(_BACKEND_OF_DEVICE)}")
+    device_type = check_device_type(device_type)
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device_type='cuda' but torch has no CUDA device; install a CUDA build of torch or use 'cpu'")
     if device_type == "npu":

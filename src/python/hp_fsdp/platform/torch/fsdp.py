@@ -55,14 +55,19 @@ class _TorchFSDP:
         """The local data of a DTensor (or ``t`` itself), outside autograd."""
         return t._local_tensor if isinstance(t, DTensor) else t.detach()
 
+    # Parameters and their storage outlive the call that makes them, and the first forward (which
+    # allocates the unsharded parameters) may run under inference mode: they are always made as
+    # normal tensors, which keep the version counter autograd and in-place refills rely on.
     @staticmethod
     def wrap(local: torch.Tensor, mesh: Any, placements: tuple[Any, ...], shape: tuple[int, ...]) -> DTensor:
         """A DTensor over ``local`` with no autograd history (parameters and gradients)."""
-        return DTensor(local, DTensorSpec(mesh, placements, shape))
+        with torch.inference_mode(False):
+            return DTensor(local, DTensorSpec(mesh, placements, shape))
 
     @staticmethod
     def new_param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-        return nn.Parameter(t, requires_grad=requires_grad)
+        with torch.inference_mode(False):
+            return nn.Parameter(t, requires_grad=requires_grad)
 
     @staticmethod
     def shape_of(t: Any) -> tuple[int, ...]:
@@ -83,7 +88,9 @@ class _TorchFSDP:
 
     @staticmethod
     def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
+        """Storage of an unsharded parameter (a normal tensor, even under inference mode)."""
+        with torch.inference_mode(False):
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     @staticmethod
     def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

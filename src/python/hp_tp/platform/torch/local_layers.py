@@ -34,9 +34,17 @@ def grad_enabled() -> bool:
     return torch.is_grad_enabled()
 
 
-def version(t: torch.Tensor) -> int:
-    """In-place modification counter: a cached view of ``t`` is stale once it changes."""
-    return int(t._version)
+def version(t: torch.Tensor) -> int | None:
+    """In-place modification counter: a cached view of ``t`` is stale once it changes.  None for
+    a tensor that keeps no counter (one made under inference mode): its in-place changes cannot be
+    detected, so nothing derived from it may be cached."""
+    return None if t.is_inference() else int(t._version)
+
+
+def inference_mode() -> bool:
+    """Whether inference mode is on: what is made now is an inference tensor, which code running
+    outside inference mode may not change in place."""
+    return torch.is_inference_mode_enabled()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,40 @@
+"""The device-type rule on MindSpore (a world of one, no launcher): both mesh constructors accept
+"cpu" and refuse "gpu", "cuda", "CPU" and "Ascend" with the same ValueError naming the value and
+the kinds MindSpore meshes take ("cpu", "npu")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+ACCEPTED = "['cpu', 'npu']"
+
+
+def _build(ctor: str, device_type: Any) -> Any:
+    from hp_dtensor import DeviceMesh, init_device_mesh
+
+    return DeviceMesh(device_type, [0]) if ctor == "DeviceMesh" else init_device_mesh(device_type, (1,))
+
+
+@pytest.mark.parametrize("ctor", ["DeviceMesh", "init_device_mesh"])
+def test_cpu_is_accepted(ctor: str) -> None:
+    mesh = _build(ctor, "cpu")
+    assert mesh.device_type == "cpu" and mesh.shape == (1,)
+
+
+@pytest.mark.parametrize("ctor", ["DeviceMesh", "init_device_mesh"])
+@pytest.mark.parametrize("value,hint", [
+    ("gpu", ""), ("cuda", ""), ("CPU", "; did you mean 'cpu'?"), ("Ascend", "; did you mean 'npu'?"),
+])
+def test_the_same_refusal_from_both_constructors(ctor: str, value: str, hint: str) -> None:
+    with pytest.raises(ValueError) as e:
+        _build(ctor, value)
+    assert str(e.value) == f"device_type {value!r} is not one of {ACCEPTED} on mindspore{hint}"
+
+
+def test_default_device_type_is_the_process_device() -> None:
+    from hp_dtensor.platform import current
+
+    _build("init_device_mesh", "cpu")
+    assert current().default_device_type() == "cpu"
