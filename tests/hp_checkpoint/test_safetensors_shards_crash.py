@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def,arg-type,index,union-attr"
 """The safetensors-shards save under real ``kill -9`` (2 gloo ranks in a job launched here as
-subprocesses, not the shared rank pool).  A rank is killed at each point of a save (the
+processes of their own, not the shared rank pool: forked from a server that imported torch once,
+so a trial pays no interpreter start).  A rank is killed at each point of a save (the
 ``HP_CHECKPOINT_FAULT`` hook: staging made, its file written, before the manifest, before the
 rename, after it, and once every rank was told) and at random moments from outside.  Afterwards the newest complete
 checkpoint under the root is always the previous one or the new one, never a mix: every
@@ -10,11 +11,10 @@ surviving rank does not hang: it fails in its next collective when the peer's so
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -26,6 +26,12 @@ POINTS = [("staged", 1), ("files-written", 1), ("files-written", 0), ("before-ma
           ("before-commit", 0), ("after-commit", 0), ("returning", 1)]
 RANDOM_TRIALS = 4
 RANDOM_STEPS = 200  # far more than fit before the kill: it always lands mid-job
+
+# Each trial's ranks are fresh processes forked from one server that has only imported these (no
+# rank state, no thread pool used), instead of interpreters that import torch per rank and trial.
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "hp_dtensor", "hp_dtensor.safetensors_shards",
+                             "hp_dtensor.checkpoint_manifest"])
 
 
 def _state(step: int, rank: int, world: int) -> dict[str, Any]:
@@ -57,29 +63,63 @@ def _worker(rank: int, store: str, root: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _launch(root: str, steps: int, fault: str | None) -> list[subprocess.Popen[str]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HP_CHECKPOINT_FAULT")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+class _Rank:
+    """One rank of a trial's job: its process, and its stdout and stderr in files."""
+
+    def __init__(self, rank: int, store: str, root: str, steps: int, fault: str | None) -> None:
+        folder = tempfile.mkdtemp(prefix=f"rank{rank}-")
+        self.out_path, self.err_path = os.path.join(folder, "out"), os.path.join(folder, "err")
+        for path in (self.out_path, self.err_path):  # there before the rank starts: polled from the start
+            open(path, "w").close()
+        self.proc = _ctx.Process(target=_rank_main, args=(rank, store, root, steps, fault, self.out_path, self.err_path))
+        self.proc.start()
+
+    def first_line(self, timeout: float) -> str:
+        """The first line the rank prints (empty if it exits or the time runs out first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(self.out_path) as f:
+                line = f.readline()
+            if line.endswith("\n") or self.proc.exitcode is not None:
+                return line
+            time.sleep(0.02)
+        return ""
+
+    def stderr(self) -> str:
+        with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+
+def _rank_main(rank: int, store: str, root: str, steps: int, fault: str | None, out_path: str, err_path: str) -> None:
+    """A rank's process: its own environment (the fault spec only when the trial sets one), its
+    stdout and stderr into files (a traceback lands in the stderr file, exit code 1)."""
+    for name in ("RANK", "WORLD_SIZE", "HP_CHECKPOINT_FAULT"):
+        os.environ.pop(name, None)
     if fault is not None:
-        env["HP_CHECKPOINT_FAULT"] = fault
+        os.environ["HP_CHECKPOINT_FAULT"] = fault
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    _worker(rank, store, root, steps)
+
+
+def _launch(root: str, steps: int, fault: str | None) -> list[_Rank]:
     store = os.path.join(tempfile.mkdtemp(), "store")
-    return [subprocess.Popen([sys.executable, __file__, str(r), store, root, str(steps)], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    return [_Rank(r, store, root, steps, fault) for r in range(2)]
 
 
-def _finish(procs: list[subprocess.Popen[str]]) -> tuple[list[int], list[str]]:
+def _finish(procs: list[_Rank]) -> tuple[list[int], list[str]]:
     """Wait for both ranks (each within the bound); a rank still running then is a hang."""
     codes, errs = [], []
     deadline = time.monotonic() + SURVIVOR_TIMEOUT_S
     for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            codes.append(p.returncode)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
+        p.proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        if p.proc.exitcode is None:
+            p.proc.kill()
+            p.proc.join()
             codes.append(999)  # hung
-        errs.append(err)
+        else:
+            codes.append(p.proc.exitcode)
+        errs.append(p.stderr())
     return codes, errs
 
 
@@ -126,10 +166,10 @@ def test_kill_at_random_moments_never_mixes() -> None:
         root = tempfile.mkdtemp()
         procs = _launch(root, RANDOM_STEPS, None)
         victim = trial % 2
-        line = procs[victim].stdout.readline()  # "saved 1": the job is up and has one checkpoint
-        assert line.startswith("saved 1"), (line, procs[victim].stderr.read()[-2000:] if procs[victim].poll() else "")
+        line = procs[victim].first_line(240)  # "saved 1": the job is up and has one checkpoint
+        assert line.startswith("saved 1"), (line, procs[victim].stderr()[-2000:])
         time.sleep(rng.uniform(0.0, 0.5))
-        procs[victim].send_signal(signal.SIGKILL)
+        os.kill(procs[victim].proc.pid, signal.SIGKILL)
         codes, errs = _finish(procs)
         survivor = 1 - victim
         assert codes[victim] == -signal.SIGKILL and codes[survivor] != 0, (trial, codes)  # killed mid-job
@@ -140,6 +180,3 @@ def test_kill_at_random_moments_never_mixes() -> None:
     print(f"{RANDOM_TRIALS} random kill -9 trials (victim, newest step, complete checkpoints, survivor exit): "
           f"{outcomes}; losses of the previous checkpoint: 0, mixes: 0, hangs: 0")
 
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))

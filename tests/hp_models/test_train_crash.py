@@ -9,16 +9,21 @@
   the loss curve continues within float reassociation.
 - Killing the launcher with SIGKILL stops every rank; ``--resume`` without a complete checkpoint
   is refused before any rank starts.
+
+Each run's launcher is a process of its own forked from a server that imported the trainer once
+(its ranks are spawned by the trainer as always), instead of an interpreter per run re-importing
+torch and the model.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,11 @@ RESUME_RESHARD = "before-commit"
 RANDOM_TRIALS = 4
 
 
+# Launchers are forked from a server that has only imported the trainer (no thread pool used).
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(["torch", "hp_models.train", "hp_models.qwen3_5", "hp_dtensor.checkpoint_manifest"])
+
+
 def _env(fault: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HP_CHECKPOINT_FAULT")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -46,12 +56,62 @@ def _env(fault: str | None = None) -> dict[str, str]:
     return env
 
 
-def _cmd(out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hp_models.train", "--steps", str(steps), "--out-dir", str(out), *FLAGS, *extra]
+def _argv(out: Path, steps: int, *extra: str) -> list[str]:
+    return ["--steps", str(steps), "--out-dir", str(out), *FLAGS, *extra]
 
 
-def _run(out: Path, steps: int, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_cmd(out, steps, *extra), env=_env(fault), capture_output=True, text=True, timeout=300)
+def _launcher_main(argv: list[str], env: dict[str, str], err_path: str) -> None:
+    """``python -m hp_models.train <argv>`` in this process: its environment, its stderr into a
+    file; an uncaught error prints its traceback there and exits 1, as the command does."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    from hp_models import train
+
+    sys.exit(train.main(argv))
+
+
+class _Launcher:
+    """A trainer run's launcher process (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.err_path = os.path.join(tempfile.mkdtemp(prefix="hp-launcher-"), "stderr")
+        self.proc = _ctx.Process(target=_launcher_main, args=(argv, env, self.err_path))
+        self.proc.start()
+        assert self.proc.pid is not None
+        self.pid: int = self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float) -> int:
+        self.proc.join(timeout)
+        assert self.proc.exitcode is not None, f"the launcher is still running after {timeout} s"
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    @property
+    def stderr(self) -> str:
+        with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+
+def _start(out: Path, steps: int, *extra: str, fault: str | None = None) -> _Launcher:
+    return _Launcher(_argv(out, steps, *extra), _env(fault))
+
+
+def _run(out: Path, steps: int, *extra: str, fault: str | None = None) -> _Launcher:
+    launcher = _start(out, steps, *extra, fault=fault)
+    launcher.wait(300)
+    return launcher
 
 
 def _losses(out: Path) -> list[float]:
@@ -172,8 +232,7 @@ def test_kill_a_rank_at_random_moments(reference: tuple[list[float], Path], tmp_
     left: list[int] = []
     for t in range(RANDOM_TRIALS):
         out = tmp_path / f"random-{t}"
-        proc = subprocess.Popen(_cmd(out, STEPS, "--checkpoint-every", "1"), env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = _start(out, STEPS, "--checkpoint-every", "1")
         root = out / "checkpoint"
         first = root / "step-00000001" / "manifest.json"
         assert _wait_for(first.exists, 240), "no first checkpoint"
@@ -183,11 +242,11 @@ def test_kill_a_rank_at_random_moments(reference: tuple[list[float], Path], tmp_
         ranks = _rank_pids(proc.pid)
         found = complete_checkpoints(str(root))
         if len(ranks) < 2 or proc.poll() is not None:
-            proc.communicate(timeout=120)
+            proc.wait(timeout=120)
             continue
         before = found[-1][0]  # the newest complete checkpoint at the kill
         os.kill(rng.choice(ranks), signal.SIGKILL)
-        proc.communicate(timeout=120)
+        proc.wait(timeout=120)
         if proc.returncode == 0:  # the kill landed after the last step: not a crash
             continue
         during_save += _saving(root)
@@ -209,8 +268,7 @@ def test_kill_a_rank_at_random_moments(reference: tuple[list[float], Path], tmp_
 
 def test_killing_the_launcher_stops_the_ranks(tmp_path: Path) -> None:
     out = tmp_path / "orphans"
-    proc = subprocess.Popen(_cmd(out, 500, "--checkpoint-every", "1", "--keep", "1"), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start(out, 500, "--checkpoint-every", "1", "--keep", "1")
     try:
         # the ranks are training (a rank still importing when its launcher dies exits as soon as
         # its worker starts: it finds its parent gone)

@@ -3,12 +3,20 @@
 Every ``import`` of a module of the package anywhere in a file (top level, inside functions, under
 ``TYPE_CHECKING``) is an edge, as Pants infers dependencies: a function-level import hides a loop
 from Python but not from the build.  Used by the tests that keep hp_dtensor free of import loops.
+
+``import_each_alone`` imports each module first thing in an interpreter that holds no module of
+the package, as a fresh one would; one interpreter loads the heavy third-party frameworks once and
+forks a child per module, instead of paying their import per module.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +119,72 @@ def without_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     parent package first, so those edges never run in a loop; the loop that matters is between
     sibling modules."""
     return {v: {w for w in ws if not w.startswith(v + ".")} for v, ws in graph.items()}
+
+
+# Run by one fresh interpreter: import the preloads, check that they loaded nothing of the package,
+# then per module fork a child that imports it and reports its traceback through a pipe.
+_FORK_EACH = r"""
+import json, os, signal, sys, traceback
+names, preload, package, timeout_s, out_path = json.loads(sys.argv[1])
+for mod in preload:
+    __import__(mod)
+loaded = sorted(m for m in sys.modules if m == package or m.startswith(package + "."))
+failures = {}
+if loaded:
+    failures["<preload>"] = f"importing {preload} loaded modules of {package}: {loaded}"
+    names = []
+for name in names:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        signal.alarm(int(timeout_s))
+        code = 0
+        try:
+            __import__(name)
+            msg = b""
+        except BaseException:
+            msg, code = traceback.format_exc().encode(), 1
+        os.write(w, msg[-8000:])
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        failures[name] = msg or f"the child died (wait status {status})"
+with open(out_path, "w") as f:
+    json.dump(failures, f)
+"""
+
+
+def import_each_alone(names: list[str], *, package: str = "hp_dtensor", preload: tuple[str, ...] = (),
+                      env: dict[str, str] | None = None, timeout_s: float = 120.0) -> dict[str, str]:
+    """Import each of ``names`` as the first module of ``package`` loaded in its interpreter; returns
+    ``{name: traceback}`` for those that fail.
+
+    ``preload`` (third-party modules such as ``torch``) is imported once and the interpreter forks
+    per module, so every child starts with those loaded and nothing of ``package``, exactly the
+    state in which a fresh ``python -c "import name"`` reaches its first import of the package (a
+    preload that imports the package is reported as a failure).  Without ``os.fork`` each module
+    gets its own interpreter."""
+    run_env = {**os.environ, **(env or {})}
+    if not hasattr(os, "fork"):
+        failures = {}
+        for name in names:
+            proc = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True,
+                                  env=run_env, timeout=timeout_s)
+            if proc.returncode != 0:
+                failures[name] = proc.stderr[-2000:]
+        return failures
+    with tempfile.TemporaryDirectory(prefix="hp-import-each-") as tmp:
+        out = os.path.join(tmp, "failures.json")
+        arg = json.dumps([names, list(preload), package, timeout_s, out])
+        proc = subprocess.run([sys.executable, "-c", _FORK_EACH, arg], capture_output=True, text=True, env=run_env,
+                              timeout=timeout_s * (len(names) + 1))
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"<interpreter>": f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"}
+        with open(out) as f:
+            return dict(json.load(f))
