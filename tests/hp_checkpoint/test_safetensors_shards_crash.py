@@ -30,8 +30,8 @@ RANDOM_STEPS = 200  # far more than fit before the kill: it always lands mid-job
 # Each trial's ranks are fresh processes forked from one server that has only imported these (no
 # rank state, no thread pool used), instead of interpreters that import torch per rank and trial.
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "hp_dtensor", "hp_dtensor.safetensors_shards",
-                             "hp_dtensor.checkpoint_manifest"])
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "hp_dtensor", "hp_checkpoint.safetensors_shards",
+                             "hp_checkpoint.manifest"])
 
 
 def _state(step: int, rank: int, world: int) -> dict[str, Any]:

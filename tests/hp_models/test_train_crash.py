@@ -45,7 +45,7 @@ RANDOM_TRIALS = 4
 
 # Launchers are forked from a server that has only imported the trainer (no thread pool used).
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "hp_models.train", "hp_models.qwen3_5", "hp_dtensor.checkpoint_manifest"])
+_ctx.set_forkserver_preload(["torch", "hp_models.train", "hp_models.qwen3_5", "hp_checkpoint.manifest"])
 
 
 def _env(fault: str | None = None) -> dict[str, str]:
