@@ -66,9 +66,10 @@ def main(folder: str) -> int:
                 continue
             dep, spec, marker = _norm(m.group(1)), (m.group(3) or m.group(4) or "").strip(), m.group(5)
             if dep in first_party:
-                if marker:  # an extra forwarding a framework: only to hp-dtensor, version from the base set
-                    if dep != "hp-dtensor" or spec:
-                        errors.append(f"{name}: extra requirement {req!r} must be a bare hp-dtensor[...]")
+                if marker:  # an extra forwarding a framework to a package this one requires: bare,
+                    # so the version comes from the base set
+                    if spec or (dep not in must | may and name != UMBRELLA):
+                        errors.append(f"{name}: extra requirement {req!r} must be a bare [...] of a package it requires")
                     continue
                 base_fp.add(dep)
                 if spec != f"~={meta[dep][0]}":
