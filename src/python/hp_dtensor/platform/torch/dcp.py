@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from hp_dtensor.checkpoint_layout import CheckpointError, ShardBox, check_no_partial, shard_box, writes_box
+from hp_dtensor.checkpoint_manifest import describe_os_error
 from hp_dtensor.dtensor_spec import DTensorSpec
 from hp_dtensor.platform.torch.dcp_reader import FastFileSystemReader
 
@@ -143,6 +144,8 @@ def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> Checkpo
     first = min(failures)
     err = failures[first]
     inner = err[0] if isinstance(err, tuple) else err
+    if isinstance(inner, OSError):  # a full or read-only disk: name the file and what to do
+        return CheckpointError(describe_os_error(inner, f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}"))
     return CheckpointError(f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}: {inner}")
 
 
