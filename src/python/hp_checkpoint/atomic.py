@@ -10,7 +10,9 @@
    newest ``keep``; the outcome reaches every rank.
 
 A crash at any moment of it leaves the earlier checkpoints as they were, plus either nothing
-usable or the complete new one: never a mix.  ``load_checkpoint`` first verifies (manifest,
+usable or the complete new one: never a mix.  A save that fails (a full or read-only disk, a file
+where the directory should be) raises one ``CheckpointError`` on every rank naming the path and
+what to do, and removes its staging directory.  ``load_checkpoint`` first verifies (manifest,
 sizes, and the checksums, spread over the ranks; then every tensor's global shape and dtype
 against the state dict it loads into) and raises one ``CheckpointError`` on every rank naming the
 file or tensor, before it reads any tensor.
@@ -21,7 +23,9 @@ unless ``HP_CHECKPOINT_FAULT`` is set).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,12 +39,14 @@ from hp_checkpoint.manifest import (
     TensorEntry,
     check_tensors,
     commit,
+    describe_os_error,
     file_entries,
     file_entry,
     new_nonce,
     newest_complete,
     prune,
     staging_dir,
+    step_name,
     verify_checkpoint,
     write_manifest,
 )
@@ -86,27 +92,65 @@ def save_checkpoint(
     plat: Any = dtensor_platform()
     dcp = dcp_backend()
     rank = plat.get_rank()
+    # rank 0 creates the root and the staging directory and shares the outcome with the nonce, so
+    # a root that cannot be made (a file in the way, a read-only or full disk) fails on every rank
+    opened: tuple[str | None, str | None] = (None, None)
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-    nonce = plat.broadcast_object(new_nonce() if rank == 0 else None, group=group)
-    stage = staging_dir(root, step, nonce)
+        opened = _open_staging(root, step)
+    nonce, failure = plat.broadcast_object(opened, group=group)
+    if failure is not None:
+        raise CheckpointError(failure)
+    stage = os.path.join(root, f".staging-{step_name(step)}-{nonce}")
+    if rank != 0:
+        with contextlib.suppress(OSError):  # on a filesystem of its own; DCP reports a failure to write
+            staging_dir(root, step, nonce)
     crash_point(FaultPoint.STAGED, rank, step)
-    written = dcp.write(dict(state_dict), stage, group=group)
+    try:
+        written = dcp.write(dict(state_dict), stage, group=group)
+    except CheckpointError:  # raised on every rank alike, once every rank stopped writing
+        if rank == 0:
+            _discard(stage)
+        raise
     crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     error: str | None = None
     try:
         mine = file_entries(stage, written)
     except OSError as e:
-        mine, error = {}, f"checkpoint save to {stage}: rank {rank} cannot checksum its files: {e}"
+        mine, error = {}, describe_os_error(e, f"checkpoint save to {root}: rank {rank} cannot checksum its files")
     gathered = plat.all_gather_object((mine, error), group=group)
     outcome: tuple[str | None, str | None] = (None, None)
     if rank == 0:
         outcome = _finish(plat.NAME, dcp, state_dict, root, stage, step, gathered, extra, keep)
+        if outcome[1] is not None:
+            _discard(stage)  # every rank is done with it; a committed step is no longer there
     path, failure = plat.broadcast_object(outcome, group=group)
     if failure is not None:
         raise CheckpointError(failure)
     assert path is not None
     return str(path)
+
+
+def _open_staging(root: str, step: int) -> tuple[str | None, str | None]:
+    """Rank 0: create ``root`` and this save's staging directory; ``(nonce, None)`` or
+    ``(None, error)``."""
+    try:
+        step_name(step)
+        if os.path.exists(root) and not os.path.isdir(root):
+            return None, (f"checkpoint save of step {step}: the checkpoint directory {root} is a file, not a "
+                          f"directory; pass a directory (it is created if missing), or move the file away")
+        os.makedirs(root, exist_ok=True)
+        nonce = new_nonce()
+        staging_dir(root, step, nonce)
+    except OSError as e:
+        return None, describe_os_error(e, f"checkpoint save of step {step} cannot create its directory in {root}")
+    except ValueError as e:
+        return None, f"checkpoint save to {root}: {e}"
+    return nonce, None
+
+
+def _discard(stage: str) -> None:
+    """Remove the staging directory of a save that failed (each failed retry would add one)."""
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def _finish(
@@ -143,7 +187,9 @@ def _finish(
         crash_point(FaultPoint.AFTER_COMMIT, 0, step)
         if keep is not None:
             prune(root, keep)
-    except (OSError, TypeError, ValueError) as e:  # TypeError/ValueError: extra is not JSON
+    except OSError as e:
+        return None, describe_os_error(e, f"checkpoint save of step {step} to {root} failed")
+    except (TypeError, ValueError) as e:  # extra is not JSON
         return None, f"checkpoint save of step {step} to {root} failed: {type(e).__name__}: {e}"
     return path, None
 

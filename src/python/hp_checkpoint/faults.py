@@ -24,6 +24,7 @@ class FaultPoint(enum.StrEnum):
     BEFORE_COMMIT = "before-commit"  # manifest written, directory not renamed
     AFTER_COMMIT = "after-commit"  # (rank 0) renamed, other ranks not told
     RETURNING = "returning"  # every rank told of the commit, save not returned
+    PRUNING = "pruning"  # (rank 0) a pruned step renamed aside, its files not yet deleted
 
 
 def crash_point(point: FaultPoint, rank: int, step: int) -> None:

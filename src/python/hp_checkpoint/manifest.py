@@ -6,8 +6,11 @@ fsyncs every file, writes ``manifest.json`` LAST (fsynced), renames the staging 
 ``step-<N>`` and fsyncs the root.  A crash at any moment therefore leaves either the previous
 complete checkpoints alone or the new one complete as well; a directory without a valid
 manifest is never loaded.  The manifest records every file's size and sha256 (a load verifies
-them before using anything) and every tensor's global shape and dtype (a load refuses a tensor
-that does not fit, naming it).
+them before using anything), every tensor's global shape and dtype (a load refuses a tensor
+that does not fit, naming it) and the sha256 of its own content, so an edit of the manifest
+itself (a digit of ``extra``) is refused too.  A checkpoint counts as complete only when its
+manifest verifies and every file it lists is present with its size; pruning renames a step out
+of the ``step-<N>`` namespace before deleting its files, so a half-deleted step is never listed.
 
 Pure Python (json, hashlib, os): both frameworks' checkpoint formats share it.  ``manifest.json``::
 
@@ -15,7 +18,8 @@ Pure Python (json, hashlib, os): both frameworks' checkpoint formats share it.  
      "kind": "dcp" | "safetensors-shards", "step": N,
      "files": {relpath: {"bytes": int, "sha256": hex}},
      "tensors": {fqn: {"shape": [...], "dtype": "float32" | "bfloat16" | ...}},
-     "extra": {...}}
+     "extra": {...},
+     "manifest_sha256": hex}   # of the canonical JSON of every other field
 
 dtype names are framework-neutral lowercase strings (``float32``, ``bfloat16``, ``int64``, ...).
 """
@@ -23,6 +27,7 @@ dtype names are framework-neutral lowercase strings (``float32``, ``bfloat16``, 
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import json
 import os
@@ -33,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hp_checkpoint.faults import FaultPoint, crash_point
 from hp_dtensor.layout.shard_boxes import CheckpointError
 
 FORMAT = "hyper-parallel-checkpoint"
@@ -44,6 +50,8 @@ _STEP_RE = re.compile(r"^step-(\d{8})$")
 _STAGING_PREFIX = ".staging-step-"
 _TRASH_PREFIX = ".trash-step-"
 _TRASH_RE = re.compile(r"^\.trash-step-(\d{8})-[0-9A-Za-z]+$")
+_PRUNED_PREFIX = ".pruned-step-"
+SELF_CHECKSUM = "manifest_sha256"
 _CHUNK = 1 << 20
 
 
@@ -169,13 +177,23 @@ def write_manifest(staging_dir: str, manifest: Manifest) -> str:
         _checked_relpath(rel, staging_dir)
     path = os.path.join(staging_dir, MANIFEST_NAME)
     tmp = path + ".tmp"
+    doc = json.loads(json.dumps(manifest.to_json()))  # as a reader will parse it (tuples, int keys)
+    doc[SELF_CHECKSUM] = _self_checksum(doc)
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
+        json.dump(doc, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(staging_dir)
     return path
+
+
+def _self_checksum(doc: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON (sorted keys, no whitespace) of every field but the checksum:
+    the same however the file is laid out, different after any change of a value."""
+    body = {k: v for k, v in doc.items() if k != SELF_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _bad(directory: str, what: str) -> CheckpointError:
@@ -197,7 +215,8 @@ def _field(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], dire
 
 def read_manifest(directory: str) -> Manifest:
     """Parse ``<directory>/manifest.json``; raises ``CheckpointError`` when it is missing (the save
-    never finished), not JSON, or not a manifest of a format version this library reads."""
+    never finished), not JSON, not a manifest of a format version this library reads, or edited
+    after it was written (its own sha256 differs)."""
     path = os.path.join(directory, MANIFEST_NAME)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {directory}: no such directory")
@@ -255,15 +274,18 @@ def read_manifest(directory: str) -> Manifest:
             raise _bad(directory, f"has an invalid shape for tensor {fqn!r}: {shape!r:.80}")
         tensors[fqn] = TensorEntry(shape=tuple(shape), dtype=dtype)
     extra = _field(raw, "extra", dict, directory, "")
+    recorded = _field(raw, SELF_CHECKSUM, str, directory, "")
+    if recorded != _self_checksum(raw):
+        raise CheckpointError(
+            f"checkpoint {directory}: {MANIFEST_NAME} was changed after it was written (its content does "
+            f"not match the sha256 it records); the checkpoint is damaged: use another checkpoint"
+        )
     return Manifest(framework=framework, kind=kind, step=step, files=files, tensors=tensors, extra=extra)
 
 
-def verify_checkpoint(directory: str, *, check_hashes: bool = True) -> Manifest:
-    """Check that ``directory`` is a complete checkpoint: its manifest parses and every listed
-    file exists with the listed size and (under ``check_hashes``) sha256.  Raises
-    ``CheckpointError`` naming the first file that is missing, truncated (size differs) or
-    corrupted (checksum differs), or the manifest problem."""
-    manifest = read_manifest(directory)
+def check_files_present(directory: str, manifest: Manifest) -> None:
+    """Raise ``CheckpointError`` naming the first file the manifest lists that is missing or of
+    another size than written (no hashing: a stat per file)."""
     for rel, want in sorted(manifest.files.items()):
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
@@ -278,6 +300,15 @@ def verify_checkpoint(directory: str, *, check_hashes: bool = True) -> Manifest:
                 f"checkpoint {directory}: file {rel!r} is {what}: {size} bytes, the manifest says "
                 f"{want.bytes}; the checkpoint is damaged: use another checkpoint"
             )
+
+
+def verify_checkpoint(directory: str, *, check_hashes: bool = True) -> Manifest:
+    """Check that ``directory`` is a complete checkpoint: its manifest parses and every listed
+    file exists with the listed size and (under ``check_hashes``) sha256.  Raises
+    ``CheckpointError`` naming the first file that is missing, truncated (size differs) or
+    corrupted (checksum differs), or the manifest problem."""
+    manifest = read_manifest(directory)
+    check_files_present(directory, manifest)
     if check_hashes:
         for rel, want in sorted(manifest.files.items()):
             got = file_entry(os.path.join(directory, rel))
@@ -369,31 +400,73 @@ def commit(staging: str, root: str, step: int) -> str:
     return final
 
 
-def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every ``step-<N>`` directory under ``root`` whose manifest parses and
-    names step ``N``, oldest first (file contents are not hashed here: ``verify_checkpoint``).
+@dataclass(frozen=True)
+class SkippedStep:
+    """A ``step-<N>`` entry of a checkpoint root that is not a complete checkpoint, and why."""
 
-    A re-save of an existing step moves the old checkpoint aside before renaming the new one in; a
-    crash between the two renames leaves only the moved-aside copy, which still counts as step
-    ``N`` (it is complete, and the new one never was)."""
+    step: int
+    path: str
+    reason: str
+
+
+def _reason(error: CheckpointError, path: str) -> str:
+    """The short cause of ``error``: without the ``checkpoint <path>: `` prefix and the advice."""
+    return str(error).removeprefix(f"checkpoint {path}: ").split("; ")[0]
+
+
+def _complete(path: str, step: int) -> str | None:
+    """``None`` when ``path`` is a complete checkpoint of ``step`` (its manifest verifies, names
+    the step, and every file it lists is present with its size), else why not."""
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    if not os.listdir(path):
+        return "the directory is empty (its save did not start writing, or its files were removed)"
+    try:
+        manifest = read_manifest(path)
+        if manifest.step != step:
+            return f"its {MANIFEST_NAME} is for step {manifest.step}"
+        check_files_present(path, manifest)
+    except CheckpointError as e:
+        return _reason(e, path)
+    except OSError as e:
+        return f"it cannot be read: {e}"
+    return None
+
+
+def scan_checkpoints(root: str) -> tuple[list[tuple[int, str]], list[SkippedStep]]:
+    """``(complete, skipped)`` under ``root``: ``(step, path)`` of every complete checkpoint (see
+    ``complete_checkpoints``), oldest first, and every ``step-<N>`` entry that is not one, with
+    the reason (no or invalid manifest, a listed file missing or of another size, empty)."""
     if not os.path.isdir(root):
-        return []
+        return [], []
     found: dict[int, str] = {}
     aside: dict[int, str] = {}
-    for name in os.listdir(root):
+    skipped: list[SkippedStep] = []
+    for name in sorted(os.listdir(root)):
         m = _STEP_RE.match(name) or _TRASH_RE.match(name)
         if m is None:
             continue
         path = os.path.join(root, name)
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError:
-            continue
-        if manifest.step == int(m.group(1)):
-            (found if name.startswith("step-") else aside)[manifest.step] = path
+        step = int(m.group(1))
+        why = _complete(path, step)
+        if why is None:
+            (found if name.startswith("step-") else aside)[step] = path
+        elif name.startswith("step-"):
+            skipped.append(SkippedStep(step, path, why))
     for step, path in aside.items():
         found.setdefault(step, path)
-    return sorted(found.items())
+    return sorted(found.items()), skipped
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``step-<N>`` directory under ``root`` whose manifest verifies
+    (its own checksum), names step ``N`` and lists only files that are present with their sizes,
+    oldest first (file contents are not hashed here: ``verify_checkpoint``).
+
+    A re-save of an existing step moves the old checkpoint aside before renaming the new one in; a
+    crash between the two renames leaves only the moved-aside copy, which still counts as step
+    ``N`` (it is complete, and the new one never was)."""
+    return scan_checkpoints(root)[0]
 
 
 def newest_complete(root: str) -> tuple[int, str] | None:
@@ -402,23 +475,38 @@ def newest_complete(root: str) -> tuple[int, str] | None:
     return found[-1] if found else None
 
 
+def _remove_step(root: str, path: str) -> None:
+    """Delete a checkpoint directory so that no moment of it looks complete: first rename it out of
+    the names that count (``step-<N>``, ``.trash-step-<N>``) and make the rename durable, then
+    delete its files.  A kill during the deletion leaves a ``.pruned-step-*`` directory, which the
+    next prune removes."""
+    name = os.path.basename(path)
+    m = _STEP_RE.match(name) or _TRASH_RE.match(name)
+    step = m.group(1) if m is not None else "x"
+    doomed = os.path.join(root, f"{_PRUNED_PREFIX}{step}-{new_nonce()}")
+    os.rename(path, doomed)
+    fsync_dir(root)
+    crash_point(FaultPoint.PRUNING, 0, int(step) if step.isdigit() else -1)
+    shutil.rmtree(doomed)
+
+
 def prune(root: str, keep: int) -> list[str]:
-    """Remove all but the newest ``keep`` complete checkpoints, and every staging or moved-aside
-    directory (left by saves that crashed); returns the removed paths.  Directories named like a
-    checkpoint but without a valid manifest are left for the user to inspect.  Call it only when
+    """Remove all but the newest ``keep`` complete checkpoints, and every staging, moved-aside or
+    half-pruned directory (left by saves that crashed); returns the removed paths.  Directories
+    named like a checkpoint but incomplete are left for the user to inspect.  Call it only when
     no save into ``root`` is in progress."""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise ValueError(f"prune: keep must be an int >= 1 (the newest checkpoint is never removed), got {keep!r}")
     removed = []
     complete = complete_checkpoints(root)
     for _, path in complete[:-keep]:
-        shutil.rmtree(path)
+        _remove_step(root, path)
         removed.append(path)
     kept = {path for _, path in complete[-keep:]}
     if os.path.isdir(root):
         for name in sorted(os.listdir(root)):
             path = os.path.join(root, name)
-            if name.startswith((_STAGING_PREFIX, _TRASH_PREFIX)) and path not in kept:
+            if name.startswith((_STAGING_PREFIX, _TRASH_PREFIX, _PRUNED_PREFIX)) and path not in kept:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     if removed:
@@ -426,9 +514,58 @@ def prune(root: str, keep: int) -> list[str]:
     return removed
 
 
+def checkpoint_entries(root: str) -> list[str]:
+    """Paths of everything under ``root`` that a save or prune made: ``step-<N>`` directories
+    (complete or not) and staging, moved-aside and half-pruned directories, sorted."""
+    if not os.path.isdir(root):
+        return []
+    prefixes = (_STAGING_PREFIX, _TRASH_PREFIX, _PRUNED_PREFIX)
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if _STEP_RE.match(n) or n.startswith(prefixes)]
+
+
+def clear_checkpoints(root: str) -> list[str]:
+    """Delete every checkpoint under ``root`` (``checkpoint_entries``; other files stay), each
+    renamed aside before its files go; returns the removed paths."""
+    removed = []
+    for path in checkpoint_entries(root):
+        if os.path.isdir(path) and _STEP_RE.match(os.path.basename(path)):
+            _remove_step(root, path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+        removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
+
+
+_OS_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space, or pass a checkpoint directory on another disk",
+    errno.EDQUOT: "the disk quota is used up: free space, or pass a checkpoint directory on another disk",
+    errno.EROFS: "the file system is read-only: pass a writable checkpoint directory",
+    errno.EACCES: "permission denied: pass a checkpoint directory you can write",
+    errno.EPERM: "permission denied: pass a checkpoint directory you can write",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: pass a directory",
+    errno.EEXIST: "a file of that name is in the way, not a directory: pass a directory",
+    errno.EISDIR: "a directory is where a file should go: pass another path",
+}
+
+
+def describe_os_error(error: OSError, what: str) -> str:
+    """One line for a failed file operation: ``what`` failed, the file, the cause and what to do
+    (for a full or read-only disk, a missing permission, a file in the way of a directory)."""
+    where = error.filename if error.filename is not None else "?"
+    cause = error.strerror or str(error)
+    advice = _OS_ADVICE.get(error.errno or -1)
+    return f"{what}: {where}: {cause}" + (f"; {advice}" if advice else "")
+
+
 __all__ = [
     "FORMAT", "MANIFEST_NAME", "VERSION", "CheckpointError", "CheckpointKind", "FileEntry", "Framework",
-    "Manifest", "TensorEntry", "check_tensor", "check_tensors", "commit", "complete_checkpoints",
+    "Manifest", "SkippedStep", "TensorEntry", "check_files_present", "check_tensor", "check_tensors",
+    "checkpoint_entries", "clear_checkpoints", "commit", "complete_checkpoints", "describe_os_error",
     "file_entries", "file_entry", "fsync_dir", "fsync_file", "new_nonce", "newest_complete", "prune",
-    "read_manifest", "staging_dir", "step_name", "verify_checkpoint", "write_manifest",
+    "read_manifest", "scan_checkpoints", "staging_dir", "step_name", "verify_checkpoint", "write_manifest",
 ]

@@ -31,8 +31,10 @@ transfer primitives (``TRANSFER``: ranks, object gather, local tensors, dtype na
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import zlib
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -48,8 +50,8 @@ from hp_checkpoint.manifest import (
     TensorEntry,
     check_tensors,
     commit,
+    describe_os_error,
     file_entries,
-    new_nonce,
     staging_dir,
     step_name,
     verify_checkpoint,
@@ -159,6 +161,7 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     # checked before any rank writes, and the outcome shared with the nonce: a bad state dict,
     # name, step or root on any one rank fails on every rank (none is left waiting in a collective)
     problem: tuple[str, str] | None = None
+    nonce: str | None = None
     try:
         step_name(step)
         state, values = flatten_state(state)
@@ -168,12 +171,37 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
         if os.path.exists(root) and not os.path.isdir(root):
             raise CheckpointError(f"safetensors-shards: the checkpoint root {root!r} is a file, not a directory; "
                                   f"pass a directory (it is created if missing)")
+        if rank == 0:  # the staging directory, made once; a disk that refuses it fails every rank
+            try:
+                nonce = os.path.basename(staging_dir(root, step)).rsplit("-", 1)[1]
+            except OSError as e:
+                raise CheckpointError(describe_os_error(e, f"safetensors-shards: cannot create the staging "
+                                                           f"directory in {root}")) from None
     except (CheckpointError, ValueError) as e:
         problem = (type(e).__name__, f"rank {rank}: {e}")
-    gathered = prims.all_gather_object((new_nonce() if rank == 0 else None, problem))
-    _raise_first([part[1] for part in gathered])
+    gathered = prims.all_gather_object((nonce, problem))
     nonce = gathered[0][0]
-    staging = staging_dir(root, step, nonce)
+    staging = os.path.join(root, f".staging-{step_name(step)}-{nonce}") if nonce is not None else ""
+    try:
+        _raise_first([part[1] for part in gathered])
+    except (CheckpointError, ValueError):
+        if rank == 0 and staging:  # another rank's problem: drop the directory made for nothing
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if rank != 0:
+        with contextlib.suppress(OSError):  # on a filesystem of its own; its write reports a failure
+            staging_dir(root, step, nonce)
+    try:
+        return _save_staged(prims, files, state, values, root, step, extra, staging, rank, world)
+    except Exception:
+        if rank == 0:  # raised on every rank alike once all stopped writing: drop what this save wrote
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _save_staged(prims: Any, files: ShardFilePrimitives, state: Mapping[str, Any], values: Mapping[str, Any],
+                 root: str, step: int, extra: Mapping[str, Any] | None, staging: str, rank: int, world: int) -> str:
+    """``save_shards`` once the staging directory exists: write, gather, manifest, commit."""
     crash_point(FaultPoint.STAGED, rank, step)
     mine: dict[str, Any] = {}
     entries: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -196,7 +224,9 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
     try:  # a failure here (disk full, a dtype the file format lacks) is raised on every rank below
         files.write(mine, os.path.join(staging, name))
         written = {k: (v.bytes, v.sha256) for k, v in file_entries(staging, [name]).items()}
-    except (OSError, ValueError, TypeError) as e:
+    except OSError as e:
+        error = describe_os_error(e, f"rank {rank} could not write {name}")
+    except (ValueError, TypeError) as e:
         error = f"rank {rank} could not write {name}: {type(e).__name__}: {e}"
     crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     everyone = prims.all_gather_object((entries, boxes, written, error, plain_crcs))
@@ -220,7 +250,9 @@ def save_shards(state: Mapping[str, Any], root: str, step: int, *, extra: Mappin
             crash_point(FaultPoint.BEFORE_COMMIT, rank, step)
             commit(staging, root, step)
             crash_point(FaultPoint.AFTER_COMMIT, rank, step)
-        except (OSError, ValueError, TypeError) as e:
+        except OSError as e:
+            error = describe_os_error(e, "rank 0 could not write the manifest or commit")
+        except (ValueError, TypeError) as e:
             error = f"rank 0 could not write the manifest or commit: {type(e).__name__}: {e}"
     errors = [e for e in prims.all_gather_object(error) if e is not None]  # also the barrier after the commit
     if errors:

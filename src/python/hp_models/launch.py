@@ -1,19 +1,28 @@
-"""Ranks spawned by the trainer die with their launcher.
+"""The trainer's launcher: spawn the ranks, supervise them, clean up; ranks die with it.
 
 A launcher killed with SIGKILL runs no cleanup, so its ranks would go on training (and writing
 checkpoints) with nobody to report to.  On Linux the kernel delivers SIGKILL to a rank when its
-parent dies (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent's pid.
+parent dies (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent's pid.  Its
+temporary folder (``hp-train-<pid>-*``) is removed by the next launcher, which checks that pid.
+
+When a rank dies the launcher names it, and its signal, before the errors the survivors then hit.
+No framework is imported here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import multiprocessing as mp
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -38,3 +47,160 @@ def die_with_parent(parent: int, *, period_s: float = 0.5) -> None:
         _kill_self()
     if not armed:
         threading.Thread(target=_watch, args=(parent, period_s), daemon=True, name="die-with-parent").start()
+
+
+class JobFailed(RuntimeError):
+    """The job stopped: a rank died or raised.  Its message is what the command prints."""
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
+
+
+def _last_line(report: tuple[str, str]) -> str:
+    kind, text = report
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else kind
+
+
+def supervise(procs: list[Any], results: Any, *, grace_s: float = 1.0) -> Any:
+    """Wait for the ranks ``procs`` (rank order), each of which puts ``(rank, ok, value)`` on
+    ``results`` (``value``: a result, or ``("user", line)`` / ``("traceback", text)``); returns rank
+    0's value.  Raises ``JobFailed`` when a rank dies or fails.  A rank that died (a signal, an exit
+    without a report) is named first with how it ended: the errors the survivors then hit (a
+    connection reset by the dead peer) are its consequence, shown after it in one line."""
+    import queue
+
+    world = len(procs)
+    out: Any = None
+    done: set[int] = set()
+    exited_at: dict[int, float] = {}
+    dead: list[int] = []  # ranks that ended without reporting, in the order seen
+
+    def look_for_dead() -> None:
+        for r, p in enumerate(procs):
+            code = p.exitcode
+            if r in done or r in dead or code is None:
+                continue
+            # a rank that exits cleanly has put its result first: give the queue a moment
+            first = exited_at.setdefault(r, time.monotonic())
+            if code != 0 or time.monotonic() - first > 5.0:
+                dead.append(r)
+
+    def deaths() -> str:
+        return "; ".join(f"rank {r} {_how_it_ended(procs[r].exitcode)}" for r in dead)
+
+    failure: tuple[int, Any] | None = None
+    while len(done) < world and failure is None and not dead:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue.Empty:
+            look_for_dead()
+            continue
+        done.add(rank)
+        if not ok:
+            failure = (rank, value)
+        elif rank == 0:
+            out = value
+    if failure is None and not dead:
+        return out
+    # A death makes the survivors fail (a connection reset by the dead peer) and a survivor's
+    # report can arrive before the death is seen: wait a moment for the other half of the story.
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and (failure is None or not dead):
+        look_for_dead()
+        if failure is not None:
+            time.sleep(0.05)
+            continue
+        try:
+            rank, ok, value = results.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        done.add(rank)
+        if not ok:
+            failure = (rank, value)
+    if dead:
+        then = f"; then rank {failure[0]} failed: {_last_line(failure[1])}" if failure is not None else ""
+        raise JobFailed(f"{deaths()}{then}; the other ranks were stopped")
+    assert failure is not None
+    rank, (kind, text) = failure
+    if kind == "user":
+        raise JobFailed(text)
+    raise JobFailed(f"rank {rank} failed:\n{text}")
+
+
+_TEMP_PREFIX = "hp-train-"
+
+
+def remove_stale_temp_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the temporary folders of launchers that are gone (killed with SIGKILL, which runs no
+    cleanup): ``hp-train-<pid>-*`` of this user whose ``pid`` is not alive.  A folder of a live
+    launcher is never touched; a reused pid only keeps a stale folder a little longer."""
+    tmp = tmp if tmp is not None else tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return []
+    for name in names:
+        m = re.match(rf"^{_TEMP_PREFIX}(\d+)-", name)
+        path = os.path.join(tmp, name)
+        if m is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or another user's process of that pid): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def launch(world: int, target: Any, args: tuple[Any, ...]) -> Any:
+    """Spawn ``world`` ranks running ``target(rank, world, *args, store, results, launcher_pid)``,
+    supervise them (``supervise``) and return rank 0's result.  Whatever ends the launcher (success,
+    a rank's failure or death, Ctrl-C, SIGTERM), the ranks are stopped and its temporary folder
+    (``hp-train-<pid>-*``, the rendezvous store) is removed; folders of launchers killed earlier are
+    removed at start."""
+    remove_stale_temp_dirs()
+    ctx = mp.get_context("spawn")
+    folder = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, *args, os.path.join(folder, "store"), results, os.getpid()))
+             for r in range(world)]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def stop(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
+    finished = False
+    try:
+        for p in procs:
+            p.start()
+        out = supervise(procs, results)
+        finished = True
+        return out
+    finally:
+        for p in procs:
+            if p.exitcode is None and not finished:
+                p.kill()
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

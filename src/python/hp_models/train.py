@@ -14,20 +14,22 @@ own shards through ``torch.distributed.checkpoint``), atomic (staging directory,
 with checksums written last, rename) and holding the model, the AdamW state keyed by parameter
 name, the step, the generator state, the data position and the losses so far; the newest
 ``--keep`` complete ones are kept.  ``--resume`` continues from the newest complete checkpoint,
-under any parallelism (the state reshards on load), after verifying it.  Spawned ranks stop when
-the launcher dies, and the launcher stops when a rank dies.
+under any parallelism (the state reshards on load), after verifying it and checking that it was
+saved by the same run (seed, learning rate, model config, batch and sequence sizes); a fresh run
+refuses a directory that holds another run's checkpoints unless told ``--overwrite``.  Spawned
+ranks stop when the launcher dies, and the launcher stops when a rank dies, naming the rank that
+died first and how.  Errors a user can fix (a damaged checkpoint, a full or read-only disk, a file
+where a directory should be) end the command with one line saying what to do.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
-import multiprocessing as mp
 import os
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from hp_models.job import (
     read_job_file,
     single_process,
 )
+from hp_models.launch import JobFailed, launch
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Args:
     resume: bool
     seed: int
     compare_single: bool
+    overwrite: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -91,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (the newest ones)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir (any parallelism)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run even though --checkpoint-dir holds another run's checkpoints: "
+                        "delete them first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
@@ -103,11 +110,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
         p.error(f"--dp-shard must be -1 or >= 1, got {ns.dp_shard}")
     if ns.lr <= 0:
         p.error(f"--lr must be > 0, got {ns.lr}")
+    if ns.resume and ns.overwrite:
+        p.error("--resume continues the run in --checkpoint-dir, --overwrite deletes it: pass one of them")
     return Args(
         job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
+        overwrite=ns.overwrite,
     )
 
 
@@ -146,17 +156,59 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: {where}{e}")
     if args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
-    from hp_checkpoint.manifest import newest_complete
-
-    if args.resume:
-        found = newest_complete(args.checkpoint_dir)
-        if found is None:
-            sys.exit(f"error: --resume but no complete checkpoint (step-<N>/ with a manifest) in "
-                     f"{args.checkpoint_dir!r}; run without --resume first")
-        if found[0] >= args.steps:
-            sys.exit(f"error: --resume from {found[1]} (step {found[0]}) but --steps {args.steps}: nothing "
-                     f"left to train; pass a larger --steps (the total, counting the steps already done)")
+    check_checkpoint_dir(args, config, layout)
     return config, layout
+
+
+def run_settings(args: Args, config: Any, layout: TrainLayout) -> dict[str, Any]:
+    """What a resumed run must share with the run that saved its checkpoint."""
+    import dataclasses
+
+    from hp_models.train_checkpoint import run_settings as settings
+
+    return settings(seed=args.seed, lr=args.lr, seq_len=args.seq_len, global_batch_size=layout.global_batch_size,
+                    model=dataclasses.asdict(config))
+
+
+def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
+    """Before any rank starts: the checkpoint directory is one (not a file); a fresh run does not
+    write into another run's checkpoints (it would prune its own saves as older than theirs, and a
+    later ``--resume`` would continue theirs), unless ``--overwrite``; ``--resume`` continues a
+    checkpoint of this same run with steps left to train."""
+    from hp_checkpoint.manifest import checkpoint_entries, complete_checkpoints
+    from hp_dtensor.layout.shard_boxes import CheckpointError
+    from hp_models.train_checkpoint import resume_plan
+
+    root = args.checkpoint_dir
+    if os.path.exists(root) and not os.path.isdir(root):
+        sys.exit(f"error: --checkpoint-dir {root} is a file, not a directory; pass a directory (it is created "
+                 f"if missing) or move the file away")
+    if args.resume:
+        try:
+            found = resume_plan(root, run_settings(args, config, layout), layout.as_dict())
+        except CheckpointError as e:
+            sys.exit(f"error: {e}")
+        if found.step >= args.steps:
+            sys.exit(f"error: --resume from {found.path} (step {found.step}) but --steps {args.steps}: nothing "
+                     f"left to train; pass a larger --steps (the total, counting the steps already done)")
+        return
+    steps = [os.path.basename(p) for p in checkpoint_entries(root) if os.path.basename(p).startswith("step-")]
+    if steps and not args.overwrite:
+        complete = [s for s, _ in complete_checkpoints(root)]
+        sys.exit(f"error: --checkpoint-dir {root} already holds checkpoints of an earlier run ({len(steps)} step "
+                 f"directories, {steps[0]} to {steps[-1]}; complete: steps {complete or 'none'}); a fresh run "
+                 f"would mix its checkpoints with them. Pass --resume to continue that run, or --overwrite to "
+                 f"delete them and start afresh (or choose another --checkpoint-dir)")
+
+
+def clear_for_overwrite(args: Args) -> None:
+    """``--overwrite``: delete the earlier run's checkpoints (once, before any rank saves)."""
+    from hp_checkpoint.manifest import clear_checkpoints
+
+    removed = clear_checkpoints(args.checkpoint_dir)
+    if removed:
+        print(f"--overwrite: deleted {len(removed)} checkpoint entries of an earlier run from "
+              f"{args.checkpoint_dir}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- one rank
@@ -236,8 +288,10 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
     model, dp_rank = build_model(args, layout, config, distributed=distributed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, losses = 0, list[float]()
+    run = run_settings(args, config, layout)
     if args.resume:
-        start, losses = load_train_state(args.checkpoint_dir, model, opt, seed=args.seed, announce=rank == 0)
+        start, losses = load_train_state(args.checkpoint_dir, model, opt, seed=args.seed, announce=rank == 0,
+                                         run=run, layout=layout.as_dict())
     show = rank == 0 and not quiet
     t0 = time.perf_counter()
     tokens = 0
@@ -252,7 +306,7 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
             _progress(step + 1, args.steps, value, tokens / max(time.perf_counter() - t0, 1e-9))
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             save_train_state(args.checkpoint_dir, model, opt, step + 1, losses, seed=args.seed, keep=args.keep,
-                             layout=layout.as_dict())
+                             layout=layout.as_dict(), run=run)
     if show:
         sys.stderr.write("\n")
     elapsed = time.perf_counter() - t0
@@ -273,6 +327,25 @@ def _progress(step: int, total: int, loss: float, tok_s: float) -> None:
 
 
 # ---------------------------------------------------------------- launching
+# Errors of the file system a user fixes (a full or read-only disk, a missing permission, a file
+# in the way of a directory): reported as one line, not a traceback.
+_USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                          errno.EEXIST, errno.EISDIR})
+
+
+def user_error(error: BaseException) -> str | None:
+    """One line for an error the user causes and can fix (a checkpoint that is damaged or of
+    another run, a disk that refuses the files), else ``None``."""
+    from hp_checkpoint.manifest import describe_os_error
+    from hp_dtensor.layout.shard_boxes import CheckpointError
+
+    if isinstance(error, CheckpointError):
+        return " ".join(str(error).split("\n"))
+    if isinstance(error, OSError) and error.errno in _USER_ERRNOS:
+        return describe_os_error(error, "cannot write")
+    return None
+
+
 def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, results: Any,
             launcher_pid: int) -> None:
     try:
@@ -287,58 +360,15 @@ def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, 
         out = train(args, layout, load_config(args), rank, distributed=True)
         plat.destroy()
         results.put((rank, True, out if rank == 0 else None))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as e:
+        line = user_error(e)
+        results.put((rank, False, ("user", line) if line is not None else ("traceback", traceback.format_exc())))
 
 
 def run_spawned(args: Args, layout: TrainLayout) -> dict[str, Any]:
     """Spawn the ranks and wait for them.  A rank that fails or dies (killed, out of memory) stops
     the job: the others are killed and the error names the rank; the ranks die with the launcher."""
-    import queue
-
-    ctx = mp.get_context("spawn")
-    folder = tempfile.mkdtemp(prefix="hp-train-")
-    results = ctx.Queue()
-    world = layout.world_size
-    procs = [ctx.Process(target=_worker,
-                         args=(r, world, args, layout, os.path.join(folder, "store"), results, os.getpid()))
-             for r in range(world)]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    for p in procs:
-        p.start()
-    out: dict[str, Any] | None = None
-    done: set[int] = set()
-    silent: dict[int, int] = {}
-    try:
-        while len(done) < world:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    code = p.exitcode
-                    if r in done or code is None:
-                        continue
-                    # a rank that exits cleanly has put its result first: give the queue a moment
-                    silent[r] = silent.get(r, 0) + 1
-                    if code != 0 or silent[r] > 10:
-                        how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
-                        raise RuntimeError(f"rank {r} {how} without reporting; the other ranks were stopped") from None
-                continue
-            done.add(rank)
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            if rank == 0:
-                out = value
-    finally:
-        for p in procs:
-            if p.exitcode is None and len(done) < world:
-                p.kill()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(folder, ignore_errors=True)
-    assert out is not None
+    out: dict[str, Any] = launch(layout.world_size, _worker, (args, layout))
     return out
 
 
@@ -384,26 +414,52 @@ def _plot(args: Args, layout: TrainLayout, losses: list[float], single: list[flo
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; returns its exit code.  A failure it can explain (a rank died, a damaged
+    checkpoint, a full disk) is printed as one ``error:`` line (by rank 0 only under torchrun)."""
     args = parse_args(argv)
     config, layout = check_args(args)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _run(args, config, layout)
+    except JobFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        line = user_error(e)
+        if line is None:
+            raise
+        if rank == 0:  # the checkpoint code raises the same error on every rank: print it once
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(args: Args, config: Any, layout: TrainLayout) -> int:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:
         from hp_dtensor.platform import current
 
-        current().ensure_process_group("cpu")
         rank = int(os.environ["RANK"])
+        if args.overwrite and rank == 0:  # before the first save, which every rank joins
+            clear_for_overwrite(args)
+        current().ensure_process_group("cpu")
         result = train(args, layout, config, rank, distributed=layout.world_size > 1)
         if rank != 0:
             return 0
-    elif layout.world_size == 1:
-        result = train(args, layout, config, 0, distributed=False)
     else:
-        result = run_spawned(args, layout)
+        if args.overwrite:
+            clear_for_overwrite(args)
+        if layout.world_size == 1:
+            result = train(args, layout, config, 0, distributed=False)
+        else:
+            result = run_spawned(args, layout)
     single = None
     if args.compare_single:
+        from hp_checkpoint.manifest import clear_checkpoints
+
         one = single_process(layout, model_sizes(config))
         single_args = Args(**{**args.__dict__, "resume": False,
                               "checkpoint_dir": os.path.join(args.out_dir, "checkpoint-single")})
+        clear_checkpoints(single_args.checkpoint_dir)  # the reference run's own, from an earlier command
         single = train(single_args, one, config, 0, distributed=False, quiet=True)["losses"]
         single = single[-len(result["losses"]):]
     log = write_outputs(args, layout, config, result, single)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from hp_checkpoint.manifest import describe_os_error
 from hp_checkpoint.platform.torch.dcp_reader import FastFileSystemReader
 from hp_dtensor.layout.dtensor_spec import DTensorSpec
 from hp_dtensor.layout.shard_boxes import CheckpointError, check_no_partial
@@ -88,6 +89,8 @@ def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> Checkpo
     first = min(failures)
     err = failures[first]
     inner = err[0] if isinstance(err, tuple) else err
+    if isinstance(inner, OSError):  # a full or read-only disk: name the file and what to do
+        return CheckpointError(describe_os_error(inner, f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}"))
     return CheckpointError(f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}: {inner}")
 
 

@@ -1,0 +1,121 @@
+# mypy: disable-error-code="no-untyped-def"
+"""The trainer's launcher with stand-in ranks (no model, so each case takes about a second).
+
+- A rank killed with SIGKILL is named first, with its signal, before the error its survivor then
+  hits (a connection reset by the dead peer), which used to be the only one reported.
+- Whatever ends the launcher (a rank's death, SIGTERM) it removes its ``hp-train-<pid>-*``
+  folder; folders of launchers that are gone (killed with SIGKILL) are removed by the next one,
+  those of live launchers never.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pytest
+
+from hp_models import launch as launcher
+
+
+def _pid_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.pid")
+
+
+def _zombie_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _killed_rank_and_survivor(rank: int, world: int, folder: str, store: str, results: Any, launcher: int) -> None:
+    """Rank 0 is killed; rank 1 waits until it is dead, then reports what a gloo peer reports."""
+    with open(_pid_file(folder, rank), "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 0:
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not os.path.exists(_pid_file(folder, 0)):
+        time.sleep(0.01)
+    pid0 = int(open(_pid_file(folder, 0)).read())
+    while not _zombie_or_gone(pid0):
+        time.sleep(0.01)
+    results.put((rank, False, ("traceback", "Traceback (most recent call last):\n  ...\n"
+                                            "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Read error "
+                                            "[127.0.0.1]:29500: Connection reset by peer\n")))
+
+
+def _sleeper(rank: int, world: int, folder: str, store: str, results: Any, launcher: int) -> None:
+    with open(_pid_file(folder, rank), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+@pytest.fixture
+def tmpdir_env(tmp_path: Any, monkeypatch: Any) -> str:
+    tmp = str(tmp_path / "tmp")
+    os.makedirs(tmp)
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
+    return tmp
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_killed_rank_is_named_first_with_its_signal(tmp_path: Any, tmpdir_env: str) -> None:
+    with pytest.raises(launcher.JobFailed) as info:
+        launcher.launch(2, _killed_rank_and_survivor, (str(tmp_path),))
+    msg = str(info.value)
+    assert msg.startswith("rank 0 was killed by SIGKILL (signal 9); then rank 1 failed: RuntimeError: "), msg
+    assert msg.count("\n") == 0 and "Connection reset by peer" in msg, msg
+    assert os.listdir(tmpdir_env) == []  # the launcher's folder is gone
+
+
+_SIGTERM_LAUNCHER = """
+import sys, tempfile
+sys.path[:0] = {paths!r}
+tempfile.tempdir = {tmp!r}
+from hp_models import launch as launcher
+import test_train_launch as t
+launcher.launch(2, t._sleeper, ({folder!r},))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_stops_the_ranks_and_removes_the_folder(tmp_path: Any, tmpdir_env: str) -> None:
+    folder = str(tmp_path)
+    code = _SIGTERM_LAUNCHER.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, folder=folder)
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
+            assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        assert [n for n in os.listdir(tmpdir_env) if n.startswith(f"hp-train-{proc.pid}-")]
+        ranks = [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert os.listdir(tmpdir_env) == []
+    end = time.monotonic() + 10
+    while not all(_zombie_or_gone(p) for p in ranks):
+        assert time.monotonic() < end, "the ranks outlived the launcher"
+        time.sleep(0.05)
+
+
+def test_stale_folders_of_dead_launchers_are_removed(tmpdir_env: str) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    names = [f"hp-train-{gone.pid}-abc", f"hp-train-{os.getpid()}-def", "hp-train-xyz", "other-1-x"]
+    for name in names:
+        os.makedirs(os.path.join(tmpdir_env, name))
+    removed = launcher.remove_stale_temp_dirs()
+    assert removed == [os.path.join(tmpdir_env, names[0])]
+    assert sorted(os.listdir(tmpdir_env)) == sorted(names[1:])
