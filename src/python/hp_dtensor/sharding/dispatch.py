@@ -390,7 +390,7 @@ class DispatchCore:
         else:
             def even(x: Any) -> Any:
                 if isinstance(x, TensorInfo):
-                    return TensorInfo(x.shape, even_placements(x.shape, mesh.shape, x.placements))
+                    return dataclasses.replace(x, placements=even_placements(x.shape, mesh.shape, x.placements))
                 return x
 
             call = OpCall(name, mesh.shape, map_leaves(even, args), map_leaves(even, kwargs), coordinate)

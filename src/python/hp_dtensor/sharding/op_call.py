@@ -17,6 +17,10 @@ class TensorInfo:
 
     shape: tuple[int, ...]
     placements: tuple[Placement, ...]
+    # The dtype as the framework prints it (``torch.float16``, ``Float16``), for the rules whose
+    # answer depends on it (casts); None where the caller does not say.  Not part of equality:
+    # decisions are cached per dtype already.
+    dtype: str | None = field(default=None, compare=False)
 
     @property
     def ndim(self) -> int:

@@ -22,7 +22,13 @@ from mindspore._c_expression import NoFallbackGuard
 
 from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
-from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, GradLayout, KeepGradOnRoot, Redistribute
+from hp_dtensor.platform.mindspore.redistribute import (
+    AllReduceGrad,
+    GradLayout,
+    KeepGradOnRoot,
+    Redistribute,
+    ScaleGrad,
+)
 from hp_dtensor.sharding.dispatch import (
     CachedCall,
     DispatchCore,
@@ -41,10 +47,12 @@ from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo
 class _GradFacts:
     """What the gradient bookkeeping derives from a decision, per DTensor input: the mesh dims on
     which the op's local backward yields only this rank's term of the input's gradient, and
-    whether the op passes the input's gradient through unchanged in form (see ``_run``)."""
+    whether the op passes the input's gradient through unchanged in form (see ``_run``), and
+    the factor its local gradient takes (``_avg_grad_scale``)."""
 
     grad_dims: tuple[tuple[int, ...], ...]
     transparent: tuple[bool, ...]
+    grad_scale: tuple[float, ...]
 
 
 _TABLE = OpTable()
@@ -84,13 +92,37 @@ def random_op(*names: str) -> Callable[[Any], Any]:
 
 def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
     """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
-    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them.  Deeper
-    structures stay whole (a DTensor inside one is refused by ``shared_mesh``)."""
+    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them.  A list or
+    tuple inside an opened one (a primitive's axis list: ``(prim, "ReduceSum", [x, [0, 1], ...])``)
+    stays whole as one leaf; a DTensor that deep is refused."""
     flat: list[Any] = []
     shape = flatten_one_level(args, flat)
-    if shape is None:
-        return list(args), (None,) * len(args)
-    return flat, shape
+    if shape is not None:
+        return flat, shape
+    flat = []
+    parts: list[Any] = []
+    for a in args:
+        if type(a) in (list, tuple):
+            flat.extend(a)
+            parts.append((type(a), len(a)))
+        else:
+            flat.append(a)
+            parts.append(None)
+    if any(isinstance(x, (list, tuple, dict)) and _holds_dtensor(x) for x in flat):
+        raise NotImplementedError(
+            "a DTensor argument nested more than one list deep is not supported; pass it directly"
+        )
+    return flat, tuple(parts)
+
+
+def _holds_dtensor(x: Any) -> bool:
+    if isinstance(x, DTensor):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds_dtensor(y) for y in x)
+    if isinstance(x, dict):
+        return any(_holds_dtensor(y) for y in x.values())
+    return False
 
 
 def _unflatten(flat: list[Any], shape: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -175,7 +207,7 @@ def _local_update(call: OpCall) -> Decision:
 
 
 def _info(leaf: Any) -> Any:
-    return TensorInfo(leaf._spec.shape, leaf._spec.placements) if isinstance(leaf, DTensor) else leaf
+    return TensorInfo(leaf._spec.shape, leaf._spec.placements, str(leaf.dtype)) if isinstance(leaf, DTensor) else leaf
 
 
 def _decide(name: str, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tuple[str, Any]], mesh: Any) -> CachedCall:
@@ -202,7 +234,25 @@ def _grad_facts(call: OpCall, decision: Decision) -> _GradFacts:
     transparent = tuple(
         single and not dims and _replicated_where_input_is(req, decision.outputs) for req, dims in zip(reqs, grad_dims)
     )
-    return _GradFacts(grad_dims, transparent)
+    scale = tuple(_avg_grad_scale(req, decision.outputs, call.mesh_shape) for req in reqs)
+    return _GradFacts(grad_dims, transparent, scale)
+
+
+def _avg_grad_scale(req: tuple[Any, ...], outputs: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> float:
+    """1/n for each mesh dim of size n where an output is ``Partial("avg")`` but the input is not
+    Partial (a mean over a sharded dim, a Partial("avg") factor times a replicated one).
+
+    The global value is the mean of the ranks' terms, so the loss's derivative with respect to one
+    term is G/n; but the gradient a Partial output receives is G itself (the convention in
+    ``redistribute.py``, torch's), which the local backward would hand on unscaled.  An input that
+    is Partial("avg") there needs no factor: its own gradient is G by the same convention."""
+    scale = 1.0
+    for k, p in enumerate(req):
+        if isinstance(p, Partial):
+            continue
+        if any(o is not None and isinstance(o[k], Partial) and o[k].reduce_op == "avg" for o in outputs):
+            scale /= mesh_shape[k]
+    return scale
 
 
 def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int, ...]:
@@ -214,10 +264,13 @@ def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int,
 
 
 def _replicated_where_input_is(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> bool:
-    """Every output is replicated wherever the (only) input is: every rank computes the same thing,
-    so the op passes a gradient through in whatever form it comes (whole or as terms)."""
+    """Every output is replicated exactly where the (only) input is: every rank computes the same
+    thing there, so the op passes a gradient through in whatever form it comes (whole or as
+    terms).  An output replicated where the input is sharded (a kernel that reduces across ranks
+    inside, like a max over a sharded dim) needs its gradient whole: its backward is not linear
+    in per-rank terms of it."""
     return all(
-        o is None or all(isinstance(o[k], Replicate) for k, p in enumerate(req) if isinstance(p, Replicate))
+        o is None or all(isinstance(o[k], Replicate) == isinstance(p, Replicate) for k, p in enumerate(req))
         for o in outputs
     )
 
@@ -255,6 +308,8 @@ def _run(func: Any, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tupl
                     local = KeepGradOnRoot.apply(local, mesh, extra)
             elif dims:
                 local = AllReduceGrad.apply(local, mesh, dims)
+            if prep.grad_scale[i] != 1.0 and leaf.is_floating_point():
+                local = ScaleGrad.apply(local, prep.grad_scale[i])
             locals_.append(local)
             dt_locals.append(local)
             i += 1

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import mindspore as ms
 from mindspore import Tensor, mint, ops
+from mindspore._c_expression import NoFallbackGuard
 
 from hp_dtensor.layout.shard_geometry import global_shape
-from hp_dtensor.placement_types import Replicate
+from hp_dtensor.placement_types import Partial, Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore import rng
 from hp_dtensor.platform.mindspore.dispatch import install_interceptors, kernel, register
+from hp_dtensor.redistribute.executor import reduce_over
+from hp_dtensor.sharding.casts import cast_rule
 from hp_dtensor.sharding.embedding import embedding_rule, vocab_start
 from hp_dtensor.sharding.matrix import batch_labels, einsum_rule, matmul_equation
 from hp_dtensor.sharding.norms import layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 from hp_dtensor.sharding.pointwise import pointwise_rule
-from hp_dtensor.sharding.reductions import reduction_rule
+from hp_dtensor.sharding.reductions import gathered_reduction_rule, reduction_rule
 from hp_dtensor.sharding.views import (
     cat_rule,
     permute_rule,
@@ -94,12 +98,12 @@ _keeps_uneven(_div)
 
 @register("ToDtype", "Cast")
 def _cast(call: OpCall) -> Decision:
-    """A cast to another float type commutes with a sum; one to an integer or bool type rounds
-    each rank's term, so a Partial input is reduced first."""
+    """``astype``/``ops.cast``: a Partial input stays Partial only through a cast that loses
+    nothing (``cast_rule``); before a narrowing one (to float16, an integer, bool) it is reduced
+    in its own dtype, as one process would round the reduced value once."""
     inputs = _prim_inputs(call)
     target = inputs[1] if len(inputs) > 1 else call.kwargs.get("dtype")
-    to_float = target is None or bool(getattr(target, "is_floating_point", False))
-    return pointwise_rule(_with_inputs(call, inputs), linearity="mul" if to_float else None)
+    return cast_rule(_with_inputs(call, inputs), target)
 
 
 _keeps_uneven(_cast)
@@ -251,21 +255,108 @@ def _dims(v: Any) -> list[int] | None:
     return [v] if isinstance(v, int) else list(v)
 
 
+def _reduce_args(call: OpCall) -> tuple[Any, list[int] | None, bool]:
+    """(input, reduced dims or None for all, keepdim) of a reduction in any of its forms: the
+    functional ``(x, dim, keepdim[, dtype])`` (SumExt, ReduceMax from ``ops.amax``) or the
+    primitive call ``(prim, name, [x, axis, keep_dims[, skip_mode]])`` (``ops.ReduceSum()``, what
+    ``ops.norm`` uses), where an empty axis means every dim."""
+    inputs = _prim_inputs(call)
+    x = inputs[0]
+    axis = inputs[1] if len(inputs) > 1 else call.kwargs.get("dim", call.kwargs.get("axis"))
+    keep = inputs[2] if len(inputs) > 2 else call.kwargs.get("keepdim", call.kwargs.get("keep_dims", False))
+    dims = _dims(axis)
+    if inputs is not call.args and len(inputs) > 3 and inputs[3] is True and not dims:
+        raise NotImplementedError(f"{call.name}(skip_mode=True) over no axis on a DTensor is not supported")
+    return x, dims, bool(keep)
+
+
 def _reduce(kind: str) -> Any:
     def rule(call: OpCall) -> Decision:
-        dims = _dims(call.args[1] if len(call.args) > 1 else call.kwargs.get("dim"))
-        keep = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("keepdim", False))
-        return reduction_rule(OpCall(call.name, call.mesh_shape, (call.args[0],)), kind, dims, keep)
+        x, dims, keep = _reduce_args(call)
+        dec = reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), kind, dims, keep)
+        if kind in ("amax", "amin"):
+            return _extremum_across_ranks(dec, kind)
+        return dec
 
     return rule
 
 
-register("SumExt")(_reduce("sum"))
-register("MeanExt")(_reduce("mean"))
+def _extremum_across_ranks(dec: Decision, kind: str) -> Decision:
+    """A max/min over a sharded dim runs as the ``extremum`` kernel: the global value on every
+    rank (Replicate where the rule said Partial), with MindSpore's gradient -- split evenly among
+    the *global* ties across shards.  Left Partial, each rank's local backward would split the
+    gradient among its own local maxima, whether or not they are the global one."""
+    req, out = dec.inputs[0], dec.outputs[0]
+    assert req is not None and out is not None
+    across = [k for k, (r, o) in enumerate(zip(req, out)) if isinstance(r, Shard) and isinstance(o, Partial)]
+    if not across:
+        return dec
+    rep = tuple(Replicate() if k in across else o for k, o in enumerate(out))
+    return Decision(dec.inputs, (rep,), kernel=f"extremum_{kind}")
+
+
+register("SumExt", "ReduceSum")(_reduce("sum"))
+register("MeanExt", "ReduceMean")(_reduce("mean"))
 register("ReduceMax", "Max")(_reduce("amax"))
 register("ReduceMin", "Min")(_reduce("amin"))
 register("ReduceAny", "Any", "AnyExt")(_reduce("any"))
 register("ReduceAll", "All", "AllExt")(_reduce("all"))
+
+
+@register("LpNorm")
+def _lp_norm(call: OpCall) -> Decision:
+    """``ops.norm(x, p, dim)``: the LpNorm primitive (its axis, p and keep_dims are attributes) is
+    not a sum of per-rank parts; a sharded reduced dim is gathered, kept dims stay sharded."""
+    prim, x = call.args[0], _prim_inputs(call)[0]
+    attrs = getattr(prim, "attrs", {})
+    dims = _dims(attrs.get("axis"))
+    return gathered_reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), dims, bool(attrs.get("keep_dims", False)))
+
+
+class _GlobalExtremum(ms._Function):  # type: ignore[misc]
+    """max/min of this rank's shard over ``axis``, reduced across the mesh dims ``across``;
+    backward gives each element equal to the global extremum ``G / count``, ``count`` the number
+    of such elements over every shard (MindSpore's rule for ReduceMax/ReduceMin on one process)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, mesh: Any, across: Any, axis: Any, keep: Any, op: Any) -> Tensor:
+        with NoFallbackGuard():
+            xp = C._plain(x)
+            y = (ops.amax if op == "max" else ops.amin)(xp, axis, keep)
+            y = reduce_over(y, mesh, across, op, C.COLLECTIVES)
+        ctx.meta = (xp, y, mesh, across, axis, keep)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        xp, y, mesh, across, axis, keep = ctx.meta
+        with NoFallbackGuard():
+            kept = tuple(1 if d in axis else s for d, s in enumerate(Tensor.shape.fget(xp)))
+            g = C._plain(grad)
+            if not keep:
+                y, g = y.reshape(kept), g.reshape(kept)
+            hit = (xp == y).astype(ms.float32)
+            count = reduce_over(hit.sum(axis, keepdim=True), mesh, across, "sum", C.COLLECTIVES)
+            dx = hit * (g.astype(ms.float32) / count)
+            return dx.astype(xp.dtype), None, None, None, None, None
+
+
+def _extremum_kernel(op: str) -> Any:
+    def run(mesh: Any, decision: Decision, *args: Any, **kwargs: Any) -> Tensor:
+        call = OpCall("extremum", mesh.shape, args, kwargs)
+        x, dims, keep = _reduce_args(call)
+        ndim = len(Tensor.shape.fget(x))
+        axis = tuple(range(ndim)) if not dims else tuple(sorted(d % ndim for d in dims))
+        req, out = decision.inputs[0], decision.outputs[0]
+        assert req is not None and out is not None
+        across = tuple(k for k, (r, o) in enumerate(zip(req, out)) if isinstance(r, Shard) and isinstance(o, Replicate))
+        return _GlobalExtremum.apply(x, mesh, across, axis, keep, op)  # type: ignore[no-any-return]
+
+    return run
+
+
+kernel("extremum_amax")(_extremum_kernel("max"))
+kernel("extremum_amin")(_extremum_kernel("min"))
 
 # ---------------------------------------------------------------- norms and softmax
 

@@ -121,3 +121,18 @@ class KeepGradOnRoot(_GradOnly):
             if any(mesh.get_coordinate()[k] != 0 for k in mesh_dims):
                 g = ops.zeros_like(g)
             return g, None, None
+
+
+class ScaleGrad(ms._Function):  # type: ignore[misc]
+    """Identity forward over ``(local, factor)``; backward multiplies the gradient by ``factor``
+    (the 1/n of an input whose op makes a ``Partial("avg")`` term, see ``dispatch.py``)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, factor: Any) -> Tensor:
+        ctx.factor = factor
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        with NoFallbackGuard():
+            return C._plain(grad) * ctx.factor, None

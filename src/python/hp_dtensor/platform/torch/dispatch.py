@@ -273,7 +273,7 @@ def _decide(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], flat: list[Any], treespec: Any, mesh: Any,
     has_plain: bool,
 ) -> CachedCall:
-    infos = [TensorInfo(x._spec.shape, x._spec.placements) if isinstance(x, DTensor) else x for x in flat]
+    infos = [TensorInfo(x._spec.shape, x._spec.placements, str(x.dtype)) if isinstance(x, DTensor) else x for x in flat]
     i_args, i_kwargs = _unflatten(infos, treespec)
     name = str(func)
     decision, is_fallback = _CORE.decide(

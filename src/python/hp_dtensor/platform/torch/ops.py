@@ -16,6 +16,7 @@ from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
 from hp_dtensor.redistribute.executor import reduce_over
 from hp_dtensor.sharding.attention import sdpa_rule
+from hp_dtensor.sharding.casts import cast_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule, vocab_start
 from hp_dtensor.sharding.factories import like_factory_rule, new_factory_rule
 from hp_dtensor.sharding.indexing import (
@@ -147,11 +148,9 @@ _masked_fill.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep unev
 
 @register(aten._to_copy.default)
 def _to_copy(call: OpCall) -> Decision:
-    """A cast keeps a Partial only between floating (or complex) dtypes: truncating to an integer
-    or bool does not commute with the sum."""
-    dtype = call.kwargs.get("dtype")
-    exact = dtype is None or dtype.is_floating_point or dtype.is_complex
-    return pointwise_rule(call, linearity="mul" if exact else None)
+    """``.to(dtype)`` / ``.half()`` / ``.float()``: a Partial input stays Partial only through a
+    cast that loses nothing (``cast_rule``); before a narrowing one it is reduced in its own dtype."""
+    return cast_rule(call, call.kwargs.get("dtype"))
 
 
 _to_copy.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
