@@ -104,6 +104,11 @@ class FSDPParamGroup:
             self.prims.free_storage(p.unsharded_local)
         self.state = GroupState.SHARDED
 
+    def post_forward(self) -> None:
+        """After the module's forward: reshard when ``reshard_after_forward`` says so."""
+        if self.reshard_after_forward:
+            self.reshard()
+
     def adopt_converted_params(self) -> None:
         """Take the sharded parameters the owning modules hold now (a module-wide conversion may
         have replaced them or their data) and drop the unsharded buffers built for the old ones."""

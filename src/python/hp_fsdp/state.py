@@ -1,11 +1,15 @@
 """``FSDPState``: the hooks of one ``fully_shard`` module, and the root's view of all of them.
 
 The outermost sharded module that runs forward first becomes the root.  The root keeps the order
-in which sharded modules ran their forward; from the second step on, each module's forward starts
-the all_gather of the next one (forward prefetch) and each module's backward starts the all_gather
-of the one before it (backward prefetch), so the gather overlaps compute.  After backward, the
-root reduces what the per-parameter gradient hooks did not (parameters without a gradient) and
-reshards everything.
+in which sharded modules started their forward; from the second step on, each module's forward
+starts the all_gather of the next one (forward prefetch).  Backward runs the modules in the
+reverse of the order in which their forwards *finished* (a module wrapping others, like a root
+whose last layer follows the blocks, finishes after them), so each forward that finishes is
+recorded, and a module's backward starts the all_gather of the module that finished just before
+it (backward prefetch), so the gather overlaps compute.  Prefetching by start order instead
+would gather a root whose backward already ran (its head's gradients come first) once more.
+After backward, the root reduces what the per-parameter gradient hooks did not (parameters
+without a gradient) and reshards everything.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class RootContext:
 
     states: list[FSDPState]
     forward_order: list[FSDPState] = field(default_factory=list)
+    # This step's finished forwards, one entry per call (a module called twice is there twice).
+    post_forward_order: list[FSDPState] = field(default_factory=list)
     reduce_queue: list[FSDPParamGroup] = field(default_factory=list)
     order_frozen: bool = False
     backward_queued: bool = False
@@ -41,6 +47,8 @@ class FSDPState:
         self.ctx: RootContext | None = None
         self.is_root: bool | None = None
         self._pre_backward_done = False
+        # Positions of this module's finished forwards in ``ctx.post_forward_order`` (this step).
+        self._post_forward_indices: list[int] = []
         plat = _platform()
         plat.register_forward_pre_hook(module, self._pre_forward, with_kwargs=True)
         plat.register_forward_hook(module, self._post_forward)
@@ -74,6 +82,7 @@ class FSDPState:
             ctx.backward_queued = False
             if ctx.forward_order and not ctx.order_frozen:
                 ctx.order_frozen = True
+            _clear_post_forward_order(ctx)
         if self.mp.cast_forward_inputs and self.mp.param_dtype is not None:
             args, kwargs = self.prims.cast_floating((args, kwargs), self.mp.param_dtype)
         self._pre_backward_done = False
@@ -89,8 +98,12 @@ class FSDPState:
 
     def _post_forward(self, module: object, args: tuple[Any, ...], output: Any) -> Any:
         grad = self.prims.grad_enabled()
-        if self.group is not None and self.group.reshard_after_forward:
-            self.group.reshard()
+        if self.group is not None:
+            self.group.post_forward()
+        if grad and self.ctx is not None and not self.ctx.backward_queued:
+            # not a recomputation inside backward (activation checkpointing): a real forward
+            self._post_forward_indices.append(len(self.ctx.post_forward_order))
+            self.ctx.post_forward_order.append(self)
         if grad:
             self.prims.register_pre_backward_hook(output, self._pre_backward)
         elif self.is_root and self.ctx is not None:
@@ -114,9 +127,17 @@ class FSDPState:
         self._pre_backward_done = True
         if self.group is not None:
             self.group.pre_backward()
-            prev = _neighbour(ctx.forward_order, self, -1)
-            if prev is not None and prev.group is not None and prev.group.state is GroupState.SHARDED:
+            prev = self._backward_prefetch_target(ctx)
+            if prev is not None and prev.group is not None and prev.group.state is not GroupState.UNSHARDED:
                 prev.group.unshard(async_op=True)
+
+    def _backward_prefetch_target(self, ctx: RootContext) -> FSDPState | None:
+        """The module whose backward comes next: the one whose forward finished just before this
+        module's (latest) forward did."""
+        if not self._post_forward_indices:
+            return None
+        i = self._post_forward_indices.pop()
+        return ctx.post_forward_order[i - 1] if i > 0 else None
 
 
 def _neighbour(order: list[FSDPState], st: FSDPState, step: int) -> FSDPState | None:
@@ -125,6 +146,12 @@ def _neighbour(order: list[FSDPState], st: FSDPState, step: int) -> FSDPState | 
     except ValueError:
         return None
     return order[i] if 0 <= i < len(order) else None
+
+
+def _clear_post_forward_order(ctx: RootContext) -> None:
+    ctx.post_forward_order.clear()
+    for st in ctx.states:
+        st._post_forward_indices.clear()
 
 
 def _finalizer(ctx: RootContext) -> Any:
@@ -139,5 +166,6 @@ def _finalizer(ctx: RootContext) -> Any:
             g.reshard()
         while ctx.reduce_queue:
             ctx.reduce_queue.pop(0).finish_reduce()
+        _clear_post_forward_order(ctx)
         ctx.backward_queued = False
     return finish
