@@ -9,8 +9,9 @@
 #      matches one process after 3 AdamW steps;
 #   4. hp-checkpoint + hp-dtensor[torch] alone in a fresh venv: a 2-rank state dict saved in one
 #      layout loads into three others, in both formats, and a damaged file is refused;
-#   5. hp-protocols + hp-dtensor[mindspore] in a fresh venv: no torch, MindSpore is the platform,
-#      and a JobConfig resolves into a mesh and a DTensor.
+#   5. hp-protocols + hp-tp + hp-dtensor[mindspore] in a fresh venv (what MindFormers installs): no
+#      torch, MindSpore is the platform, a JobConfig resolves into a mesh and a DTensor, and a
+#      protocol decoder trains with loss_parallel on 2 mccl ranks.
 # torch is constrained to the CPU wheel on disk (an unconstrained torch is a multi-GB CUDA build).
 # MindSpore (~800 MB) is kept in a wheel cache (HP_WHEEL_CACHE) and reused from Pants' own
 # download of the mindspore resolve when there is one, so it is fetched at most once per machine.
@@ -100,7 +101,7 @@ PY
   | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank checkpoint reshard example failed"
 
-stage "hp-protocols + hp-dtensor[mindspore]"
+stage "hp-protocols + hp-tp + hp-dtensor[mindspore]"
 mkdir -p "${cache}"
 if ! ls "${cache}"/mindspore-"${MINDSPORE_VERSION}"-*.whl >/dev/null 2>&1; then
   # Pants downloads the same wheel for the mindspore resolve; copy it rather than fetch it again.
@@ -111,13 +112,13 @@ fi
 python3.11 -m venv "${work}/ms"
 ms_install() {
   "${work}/ms/bin/pip" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
-    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+    "$(whl hp_protocols)" "$(whl hp_tp)" "$(whl hp_dtensor)[mindspore]"
 }
 # The venv installs from the cache and the local wheels only; when the cache lacks something, it is
 # filled first (files already there are not downloaded again).
 if ! ms_install 2>/dev/null; then
   "${work}/torch/bin/pip" download --quiet -d "${cache}" --find-links "${cache}" --find-links "${root}/dist" \
-    "$(whl hp_protocols)" "$(whl hp_dtensor)[mindspore]"
+    "$(whl hp_protocols)" "$(whl hp_tp)" "$(whl hp_dtensor)[mindspore]"
   rm -f "${cache}"/hp_*.whl "${cache}"/hyper_parallel-*.whl
   ms_install
 fi
@@ -125,7 +126,7 @@ fi
 import importlib.metadata as md
 installed = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
 first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
-assert first_party == ["hp-dtensor", "hp-protocols"], first_party
+assert first_party == ["hp-dtensor", "hp-protocols", "hp-tp"], first_party
 assert "torch" not in installed, "hp-dtensor[mindspore] pulled torch"
 print(f"ok: installed {first_party} with mindspore {installed['mindspore']}, numpy {installed['numpy']}; no torch")
 PY

@@ -66,7 +66,8 @@ def train_ms(rank: int, world: int, parallel: bool, optimizer: str = "adam"):
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
-    from hp_dtensor import CommDebugMode, DTensor, loss_parallel
+    from hp_dtensor import CommDebugMode, DTensor
+    from hp_tp import loss_parallel
     from hp_dtensor.platform import current
     from hp_protocols import JobConfig
 
@@ -112,7 +113,8 @@ def train_torch(rank: int, world: int):
     import torch
     import torch.nn.functional as F
 
-    from hp_dtensor import CommDebugMode, DTensor, loss_parallel
+    from hp_dtensor import CommDebugMode, DTensor
+    from hp_tp import loss_parallel
     from hp_dtensor.platform import current
     from hp_protocols import JobConfig
 
