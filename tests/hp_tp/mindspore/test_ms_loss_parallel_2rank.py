@@ -79,7 +79,8 @@ def _ms_cases(rank: int, world: int, case_ids: list[int], api: str, mesh_2d: boo
     import mindspore as ms
     from mindspore import Tensor
 
-    from hp_dtensor import CommDebugMode, init_device_mesh, loss_parallel
+    from hp_dtensor import CommDebugMode, init_device_mesh
+    from hp_tp import loss_parallel
 
     if mesh_2d:  # the vocab on the second mesh dim, the first (of size 1) replicating
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
@@ -130,7 +131,8 @@ BAD = {  # bad call -> the same arguments to torch on one process (None: not tor
 def _bad(rank: int, world: int, what: str) -> str:
     from mindspore import Tensor, ops
 
-    from hp_dtensor import DTensor, Replicate, Shard, init_device_mesh, loss_parallel
+    from hp_dtensor import DTensor, Replicate, Shard, init_device_mesh
+    from hp_tp import loss_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     if what == "layout":  # replicated logits: loss_parallel would silently compute unsplit
@@ -180,7 +182,7 @@ def test_bad_arguments_raise_torchs_error_on_every_rank(pool: RankPool, what: st
 def _restored(rank: int, world: int) -> bool:
     from mindspore import mint, ops
 
-    from hp_dtensor import loss_parallel
+    from hp_tp import loss_parallel
 
     before = (ops.cross_entropy, mint.nn.functional.cross_entropy)
     with loss_parallel(), loss_parallel():

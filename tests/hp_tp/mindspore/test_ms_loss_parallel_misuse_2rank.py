@@ -64,7 +64,8 @@ def _ms_losses(rank: int, world: int, calls):
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    from hp_dtensor import CommDebugMode, DTensor, Shard, init_device_mesh, loss_parallel
+    from hp_dtensor import CommDebugMode, DTensor, Shard, init_device_mesh
+    from hp_tp import loss_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = []
@@ -125,7 +126,8 @@ def _misuse(rank: int, world: int) -> list[str]:
     import mindspore as ms
     from mindspore import Tensor, mint, ops
 
-    from hp_dtensor import DTensor, Shard, init_device_mesh, loss_parallel
+    from hp_dtensor import DTensor, Shard, init_device_mesh
+    from hp_tp import loss_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     x = DTensor.from_local(Tensor(np.ones((4, 4), np.float32)), mesh, [Shard(1)])
@@ -161,7 +163,8 @@ def _one_rank_wrong(rank: int, world: int) -> list[str]:
     """A target wrong on one rank only (unseeded data): every rank raises, none waits forever."""
     from mindspore import Tensor, ops
 
-    from hp_dtensor import DTensor, Shard, init_device_mesh, loss_parallel
+    from hp_dtensor import DTensor, Shard, init_device_mesh
+    from hp_tp import loss_parallel
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     x = DTensor.from_local(Tensor(np.ones((4, 4), np.float32)), mesh, [Shard(1)])
