@@ -232,7 +232,7 @@ def _save_failing(rank: int, world: int, root: str, how: str) -> str:
 
 @pytest.mark.parametrize("how,message", [("bad_name", "tensor name 'a|b' contains '|'"),
                                          ("disk_full", "rank 2 could not write shard-rank00002.safetensors: "
-                                                       "OSError: [Errno 28] No space left on device")])
+                                                       "No space left on device; the disk is full: free space")])
 def test_failed_save_is_raised_on_every_rank_and_commits_nothing(pool4: RankPool, how: str, message: str) -> None:
     from hp_checkpoint.manifest import complete_checkpoints
 

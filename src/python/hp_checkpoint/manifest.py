@@ -556,10 +556,10 @@ _OS_ADVICE = {
 def describe_os_error(error: OSError, what: str) -> str:
     """One line for a failed file operation: ``what`` failed, the file, the cause and what to do
     (for a full or read-only disk, a missing permission, a file in the way of a directory)."""
-    where = error.filename if error.filename is not None else "?"
+    where = f"{error.filename}: " if error.filename is not None else ""
     cause = error.strerror or str(error)
     advice = _OS_ADVICE.get(error.errno or -1)
-    return f"{what}: {where}: {cause}" + (f"; {advice}" if advice else "")
+    return f"{what}: {where}{cause}" + (f"; {advice}" if advice else "")
 
 
 __all__ = [

@@ -66,7 +66,8 @@ def _how_it_ended(code: int) -> str:
 def _last_line(report: tuple[str, str]) -> str:
     kind, text = report
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else kind
+    last = lines[-1] if lines else kind
+    return last if len(last) <= 300 else last[:297] + "..."
 
 
 def supervise(procs: list[Any], results: Any, *, grace_s: float = 1.0) -> Any:
