@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,attr-defined"
+# mypy: disable-error-code="no-untyped-def,attr-defined,arg-type"
 """Which process group each collective ran on, seen the same way for our fully_shard and torch's.
 
 ``GroupLog`` is a torch dispatch mode: every collective either library issues reaches torch as a

@@ -212,7 +212,7 @@ def _bad(rank: int, world: int, which: str) -> str:
         ("not_a_module", "TypeError: fully_shard takes a module, got Tensor"),
         ("mixed_dtypes", "ValueError: fully_shard gathers a group's parameters in one buffer"),
         ("scalar", "ValueError: fully_shard shards dim 0 of every parameter, but 'scale' is a scalar"),
-        ("reshard_int", "NotImplementedError: reshard_after_forward=3"),
+        ("reshard_int", "ValueError: reshard_after_forward=3: an int is the size of the groups"),
         ("tp_overlap", "ValueError: fully_shard: parameter 'out.weight' is already split over mesh dim(s) ['dp']"),
         ("tp_other_root", "ValueError: fully_shard: parameter 'out.weight' is a DTensor on"),
         ("offload_on_cpu", "warned: CPUOffloadPolicy: the parameters already live in host memory"),

@@ -3,10 +3,11 @@
 ``fully_shard(module)`` turns every parameter of ``module``'s tree that no nested ``fully_shard``
 took into a ``Shard(0)`` DTensor over the data-parallel ranks (padded internally when dim 0 does
 not divide), and makes ``module`` an ``FSDPModule``: one all_gather before its forward (and again
-before its backward when it resharded after forward), one reduce_scatter of its gradients after
-backward (and one all_reduce across replicas under HSDP).  Apply it bottom-up: blocks first, then
-the root.  After tensor parallelism, pass only the data-parallel slice of the mesh: a TP DTensor
-parameter keeps its TP placement and is sharded over the data-parallel dims on top of it.
+before its backward when it resharded after forward -- over a smaller group when it resharded to
+one), one reduce_scatter of its gradients after backward (and one all_reduce across replicas under
+HSDP).  Apply it bottom-up: blocks first, then the root.  After tensor parallelism, pass only
+the data-parallel slice of the mesh: a TP DTensor parameter keeps its TP placement and is sharded
+over the data-parallel dims on top of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from hp_dtensor import DeviceMesh, init_device_mesh
 from hp_dtensor.device_mesh import get_current_mesh
 from hp_dtensor.platform import current as _platform
-from hp_fsdp.mesh_info import FSDPMeshInfo
+from hp_fsdp.mesh_info import FSDPMeshInfo, post_forward_group
 from hp_fsdp.param import FSDPParam, make_fsdp_param
 from hp_fsdp.param_group import FSDPParamGroup
 from hp_fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -81,10 +82,19 @@ class FSDPModule:
                 st.group.reduce_grads = bool(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Reshard after forward (True: over the whole shard group) or not (False), from the next
+        forward on; replaces a ``reshard_after_forward=<int>`` given to ``fully_shard``.  Only a
+        bool, as in torch: an int here would read as a group size."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r} "
+                f"({type(reshard_after_forward).__name__}); a group size to reshard to is given to fully_shard"
+            )
         for st in self._fsdp_states(recurse):
             st.auto_reshard = False
             if st.group is not None:
-                st.group.reshard_after_forward = bool(reshard_after_forward)
+                st.group.reshard_after_forward = reshard_after_forward
+                st.group.post_forward_group = None
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel size (1.0: sum)."""
@@ -109,8 +119,10 @@ def fully_shard(
     semantics.  ``mesh`` 1-D: FSDP; 2-D ``(replicate, shard)``: HSDP.  ``reshard_after_forward``:
     True frees the gathered parameters after forward and gathers again for backward; False keeps
     them until after backward; None (default) is True except for the root, whose parameters
-    backward needs first; an int equal to the shard size is True.  Returns ``module``, now also
-    an ``FSDPModule``."""
+    backward needs first; an int ``k`` dividing the shard group's size ``n`` reshards to groups
+    of ``k`` consecutive ranks of the shard group: between forward and backward each rank holds
+    ``1/k`` of the parameters and backward gathers over ``k`` ranks (``k == n``: True; ``k == 1``:
+    False, with a warning, as in torch).  Returns ``module``, now also an ``FSDPModule``."""
     plat = _platform()
     prims = fsdp_primitives()
     if not plat.is_module(module):
@@ -123,6 +135,10 @@ def fully_shard(
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     info = FSDPMeshInfo(mesh)
     reshard = _check_reshard(reshard_after_forward, info)
+    # Creating the smaller groups is collective: every rank does it here, before anything can differ.
+    pf_group = None
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        pf_group = post_forward_group(info, reshard)
     mp = mp_policy or MixedPrecisionPolicy()
     if not isinstance(mp, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp).__name__}")
@@ -153,7 +169,8 @@ def fully_shard(
     group = None
     if fparams:
         group = FSDPParamGroup(prims, fparams, info, mp, compute_device, offload_device is not None)
-        group.reshard_after_forward = True if reshard is None else reshard
+        group.reshard_after_forward = True if reshard is None else bool(reshard)
+        group.post_forward_group = pf_group
     # Everything that can fail ran before any module changes, so a failed call leaves the tree as it was.
     for fp in fparams:
         for owner, name in fp.owners:
@@ -175,17 +192,35 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (plat.get_world_size(),))
 
 
-def _check_reshard(value: bool | int | None, info: FSDPMeshInfo) -> bool | None:
+def _check_reshard(value: bool | int | None, info: FSDPMeshInfo) -> bool | int | None:
+    """None, a bool, or an int ``1 < k < n`` dividing the shard group's size ``n`` (torch's rules:
+    ``n`` means True, ``1`` means False and warns, anything else is a ``ValueError``)."""
     if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, int):
-        if value == info.shard_size:
-            return True
-        raise NotImplementedError(
-            f"reshard_after_forward={value}: resharding to a group smaller than the shard group "
-            f"({info.shard_size} ranks) after forward is not supported; use True or False"
+    n = info.shard_size
+    if not isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward must be None, a bool or an int group size, got {value!r} "
+            f"({type(value).__name__})"
         )
-    raise TypeError(f"reshard_after_forward must be a bool or an int, got {value!r}")
+    if value < 1 or n % value:
+        sizes = [k for k in range(1, n + 1) if n % k == 0]
+        raise ValueError(
+            f"reshard_after_forward={value}: an int is the size of the groups the parameters are "
+            f"resharded to after forward and must divide the shard group's {n} ranks (one of {sizes}); "
+            f"pass True to reshard over the whole shard group, False to keep the parameters gathered"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) reshards to groups of one rank, which keeps the parameters "
+            "gathered after forward like reshard_after_forward=False; pass True (bool) to reshard over "
+            "the whole shard group",
+            UserWarning, stacklevel=3,
+        )
+        return False
+    if value == n:
+        return True
+    return value
 
 
 def _params_to_manage(module: Any, ignored: set[int]) -> list[tuple[str, list[tuple[object, str]], Any]]:

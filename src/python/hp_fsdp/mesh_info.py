@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hp_dtensor import DeviceMesh, Partial, Placement, Replicate, Shard
+from hp_dtensor.platform import current as _platform
 
 
 @dataclass(frozen=True)
@@ -94,3 +95,41 @@ def sharded_layout(
             f"fully_shard mesh {info.mesh} also uses; pass only the data-parallel dims to fully_shard"
         )
     return root[tuple(tp_names) + tuple(dp_names)], tuple(tp_placements) + info.dp_placements()
+
+
+@dataclass(frozen=True)
+class PostForwardGroup:
+    """Where a group with ``reshard_after_forward=<int>`` keeps its parameters between forward and
+    backward: this rank's group of ``size`` consecutive ranks of its shard group (``ranks``, the
+    process ``group``), and its ``index`` in it.  Ranks at the same index of different groups hold
+    the same ``1/size`` of the gathered parameters; backward gathers them back over ``group``."""
+
+    size: int
+    ranks: tuple[int, ...]
+    index: int
+    group: Any
+
+
+def post_forward_group(info: FSDPMeshInfo, size: int) -> PostForwardGroup:
+    """Split every shard group of the data-parallel mesh into groups of ``size`` consecutive ranks
+    (torch's ``mesh.view(-1, size)``; ``size`` divides the shard group's size) and return this
+    rank's.  Creating a process group is collective over the world, so every rank creates every
+    group -- those of the data-parallel meshes the other slices of the root mesh hold too -- in one
+    order."""
+    mesh = info.mesh
+    root = mesh.get_root_mesh()
+    if root is mesh or mesh.mesh_dim_names is None:
+        slices = [mesh.layout.ranks]
+    else:
+        dims = [root.layout.dim_index(name) for name in mesh.mesh_dim_names]
+        found: dict[tuple[int, ...], None] = {}
+        for r in root.layout.ranks:
+            found.setdefault(root.layout.submesh(dims, r).ranks, None)
+        slices = list(found)
+    groups = [ranks[i : i + size] for ranks in slices for i in range(0, len(ranks), size)]
+    plat = _platform()
+    for ranks in groups:
+        plat.get_or_create_group(ranks)
+    me = mesh.get_rank()
+    mine = next(ranks for ranks in groups if me in ranks)
+    return PostForwardGroup(size=size, ranks=mine, index=mine.index(me), group=plat.get_or_create_group(mine))

@@ -1,9 +1,12 @@
 """``FSDPParamGroup``: the parameters of one ``fully_shard`` call, gathered by one all_gather and
 reduced by one reduce_scatter (plus one all_reduce across replicas under HSDP).
 
-States: SHARDED (modules hold the sharded parameters, the unsharded storage is freed) and
-UNSHARDED (modules hold the unsharded parameters).  An all_gather may be in flight between the two
-(a prefetch); ``wait_unshard`` finishes it.
+States: SHARDED (modules hold the sharded parameters, the unsharded storage is freed),
+UNSHARDED (modules hold the unsharded parameters) and, between forward and backward of a group
+with ``reshard_after_forward=<int>``, SHARDED_POST_FORWARD: the modules hold the sharded
+parameters and this rank keeps ``1/int`` of the gathered buffer, which backward gathers back
+over a group of ``int`` ranks instead of the whole shard group.  An all_gather may be in flight
+towards UNSHARDED (a prefetch); ``wait_unshard`` finishes it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import enum
 from collections.abc import Sequence
 
 from hp_dtensor.platform import current as _platform
-from hp_fsdp.mesh_info import FSDPMeshInfo
+from hp_fsdp.mesh_info import FSDPMeshInfo, PostForwardGroup
 from hp_fsdp.param import FSDPParam
 from hp_fsdp.policy import MixedPrecisionPolicy
 from hp_fsdp.primitives import FSDPPrimitives, Pending, Tensor
@@ -24,6 +27,7 @@ def prims_grad(prims: FSDPPrimitives, param: Tensor | None) -> Tensor | None:
 
 class GroupState(enum.Enum):
     SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDED = "unsharded"
 
 
@@ -53,6 +57,12 @@ class FSDPParamGroup:
         self.reduce_grads = True
         self.divide_factor: float | None = None  # None: average over every data-parallel rank
         self.reshard_after_forward = True
+        # reshard_after_forward=<int>: the smaller group to keep the parameters in after forward
+        self.post_forward_group: PostForwardGroup | None = None
+        # SHARDED_POST_FORWARD: this rank's part of the gathered buffer and the group it came from
+        self._post_forward: tuple[PostForwardGroup, Tensor] | None = None
+        # UNSHARDED, gathered in forward: this rank's part, kept for the reshard after forward
+        self._post_forward_part: Tensor | None = None
         self.grads_ready = 0
         self.in_backward = False
         self._pending_reduce: Pending | None = None
@@ -64,6 +74,10 @@ class FSDPParamGroup:
     def unshard(self, *, async_op: bool = False) -> None:
         """Start gathering the group's parameters (nothing to do when gathered or in flight)."""
         if self.state is GroupState.UNSHARDED or self._pending is not None:
+            return
+        if self._post_forward is not None:  # the smaller group holds every row between its ranks
+            pf, part = self._post_forward
+            self._pending = self.prims.all_gather_start(part, pf.group, pf.size, async_op=async_op)
             return
         shards = [self.prims.local_of(p.sharded_param) for p in self.params]
         if self.offloaded:
@@ -82,6 +96,10 @@ class FSDPParamGroup:
         assert self._pending is not None
         gathered = self._pending.wait()
         self._pending = None
+        self._post_forward = None  # gathered back (when it was set): its part is in the buffer now
+        if self.post_forward_group is not None and self.reshard_after_forward and not self.in_backward:
+            # gathered for forward: keep this rank's part for the reshard after it
+            self._post_forward_part = self._part_of(gathered, self.post_forward_group)
         for p in self.params:
             self._alloc_unsharded(p)
         self.prims.gather_copy_out(
@@ -97,17 +115,37 @@ class FSDPParamGroup:
         if self._pending is not None:  # a prefetch nobody used: finish it so ranks stay in step
             self._pending.wait()
             self._pending = None
-        if self.state is GroupState.SHARDED:
-            return
-        for p in self.params:
-            self._swap(p, p.sharded_param)
-            self.prims.free_storage(p.unsharded_local)
+        self._post_forward = None
+        self._post_forward_part = None
+        if self.state is GroupState.UNSHARDED:
+            self._free_unsharded()
         self.state = GroupState.SHARDED
 
     def post_forward(self) -> None:
-        """After the module's forward: reshard when ``reshard_after_forward`` says so."""
-        if self.reshard_after_forward:
+        """After the module's forward: reshard when ``reshard_after_forward`` says so -- to this
+        rank's part of a smaller group when it is an int."""
+        if not self.reshard_after_forward:
+            return
+        pf, part = self.post_forward_group, self._post_forward_part
+        if pf is None or part is None or self.state is not GroupState.UNSHARDED or self._pending is not None:
             self.reshard()
+            return
+        self._post_forward_part = None
+        self._free_unsharded()
+        self._post_forward = (pf, part)
+        self.state = GroupState.SHARDED_POST_FORWARD
+
+    def _part_of(self, gathered: Tensor, pf: PostForwardGroup) -> Tensor:
+        """A copy of the contributions of shard ranks ``[index * n/size, (index+1) * n/size)`` of
+        the rank-major gathered buffer: what the ranks of ``pf`` gather back, in their order,
+        into the whole buffer."""
+        length = self.prims.shape_of(gathered)[0] // pf.size
+        return self.prims.rows(gathered, pf.index * length, length)
+
+    def _free_unsharded(self) -> None:
+        for p in self.params:
+            self._swap(p, p.sharded_param)
+            self.prims.free_storage(p.unsharded_local)
 
     def adopt_converted_params(self) -> None:
         """Take the sharded parameters the owning modules hold now (a module-wide conversion may
@@ -152,10 +190,10 @@ class FSDPParamGroup:
 
     # ----- gradients -----
     def pre_backward(self) -> None:
-        self.wait_unshard()
         if not self.in_backward:
             self.in_backward = True
             self.grads_ready = 0
+        self.wait_unshard()
 
     def _on_grad(self) -> None:
         self.grads_ready += 1

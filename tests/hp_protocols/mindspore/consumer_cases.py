@@ -67,9 +67,9 @@ def train_ms(rank: int, world: int, parallel: bool, optimizer: str = "adam"):
     from mindspore import Tensor, nn, ops
 
     from hp_dtensor import CommDebugMode, DTensor
-    from hp_tp import loss_parallel
     from hp_dtensor.platform import current
     from hp_protocols import JobConfig
+    from hp_tp import loss_parallel
 
     job = JobConfig.from_yaml(JOB_YAML)
     model = build(job, "mindspore")
@@ -114,9 +114,9 @@ def train_torch(rank: int, world: int):
     import torch.nn.functional as F
 
     from hp_dtensor import CommDebugMode, DTensor
-    from hp_tp import loss_parallel
     from hp_dtensor.platform import current
     from hp_protocols import JobConfig
+    from hp_tp import loss_parallel
 
     job = JobConfig.from_yaml(JOB_YAML)
     model = build(job, "torch")
