@@ -128,7 +128,12 @@ def _case(name: str, world: int, rank: int) -> tuple[Any, Any, Any, Any, Any]:
     if name == "prepare_module_output":
         ref = nn.Linear(8, 8, dtype=f64)
         style = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
-        return ref, parallelize_module(copy.deepcopy(ref), mesh, style), replicated, gather(0), same
+
+        def even_rows(gen: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            x = torch.randn(4, 8, dtype=f64, generator=gen)  # rows divide by the mesh: to_global is even
+            return (x,), (x.clone(),)
+
+        return ref, parallelize_module(copy.deepcopy(ref), mesh, style), even_rows, gather(0), same
 
     if name == "prepare_module_input_output_around_rowwise":
         ref = nn.Sequential(nn.Linear(8, 16, dtype=f64), nn.Tanh(), nn.Linear(16, 8, dtype=f64))

@@ -224,6 +224,10 @@ def _dispatch_one(
 ) -> Any:
     if key is _NO_KEY:
         key, entry = _CORE.lookup(call_key(id(func), args, kwargs, DTensor, torch.Tensor, _plain_key, _facts(func)[1]))
+    if entry is None and _decomposes(func):
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     flat, treespec = _flatten(args, kwargs)
     mesh, has_plain = shared_mesh(
         func, flat, DTensor, torch.Tensor, "torch.Tensor", _shape,
@@ -235,6 +239,25 @@ def _dispatch_one(
         entry = _decide(func, args, kwargs, flat, treespec, mesh, has_plain)
         _CORE.store(key, entry)
     return _run(func, flat, treespec, mesh, entry, args)
+
+
+_decomposable: dict[int, bool] = {}
+
+
+def _decomposes(func: Any) -> bool:
+    """An op without a rule that torch implements by composing others (``aten.linear``,
+    ``aten.flatten``...): under inference mode such ops reach DTensor dispatch undecomposed, and
+    run as their parts (which have rules) instead of replicating, as in every other mode."""
+    r = _decomposable.get(id(func))
+    if r is None:
+        r = _decomposable[id(func)] = bool(
+            isinstance(func, torch._ops.OpOverload)
+            and _find_rule(func) is None
+            and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+            )
+        )
+    return r
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
