@@ -123,6 +123,7 @@ def _compare(rank: int, world: int, k: int | bool) -> dict[str, Any]:
     return {
         "steps": steps, "worst_torch": worst_torch, "worst_ref": worst_ref, "warned": warned,
         "block_bytes": [_padded_bytes(b, world) for b in ref.blocks],
+        "block_exact": [sum(p.numel() * p.element_size() for p in b.parameters()) for b in ref.blocks],
         "root_bytes": _padded_bytes(ref, world) - sum(_padded_bytes(b, world) for b in ref.blocks),
     }
 
@@ -152,10 +153,14 @@ def test_reshard_to_a_smaller_group_equals_torch_and_one_process(pool4: RankPool
         assert r["worst_ref"] <= 1.0, r["worst_ref"]
         want = _expected(rank, k, r["block_bytes"], r["root_bytes"])
         # what each rank holds of a block between forward and backward: full / k (nothing at k = 4)
+        kept_whole = k == 1 and k is not True  # True == 1: a bool is not the int 1
         if k is True or k == 4:
-            held = [0] * BLOCKS
+            held = torch_held = [0] * BLOCKS
+        elif kept_whole:
+            # kept gathered, as False: ours holds the parameters themselves, torch its padded buffers
+            held, torch_held = r["block_exact"], r["block_bytes"]
         else:
-            held = [b // k for b in r["block_bytes"]]
+            held = torch_held = [b // k for b in r["block_bytes"]]
         for step in r["steps"]:
             for phase in ("forward", "backward"):
                 ours, ours_own = step[f"ours {phase}"]
@@ -164,8 +169,8 @@ def test_reshard_to_a_smaller_group_equals_torch_and_one_process(pool4: RankPool
                 assert theirs == want[phase], (rank, phase, theirs, want[phase])
                 # each library's own CommDebugMode saw exactly what the observer saw
                 assert ours_own == _kinds(ours) and theirs_own == _kinds(theirs), (ours_own, theirs_own)
-            assert step["ours held"] == held and step["torch held"] == held, (step["ours held"], step["torch held"])
-        if k == 1:
+            assert step["ours held"] == held and step["torch held"] == torch_held, (step["ours held"], step["torch held"])
+        if kept_whole:
             assert r["warned"] and "reshard_after_forward=1 (int)" in r["warned"][0], r["warned"]
         else:
             assert not r["warned"], r["warned"]
