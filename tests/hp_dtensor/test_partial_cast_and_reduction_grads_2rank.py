@@ -14,6 +14,7 @@ Generated cases are seeded and counted."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
@@ -105,7 +106,7 @@ def _reduction_cases(rank: int, world: int, n_cases: int) -> dict[str, Any]:
         pl = [Shard(sd)] if sd >= 0 else [Replicate()]
         A = torch.randn(shape, generator=g, dtype=torch.float64)
         T = torch.randint(0, 3, shape, generator=g).double()  # integer values: ties across shards
-        ops = [
+        ops: list[tuple[str, torch.Tensor, Callable[..., torch.Tensor]]] = [
             (f"sum({d}, {keep})", A, lambda t, d=d, keep=keep: t.sum(d, keepdim=keep)),
             (f"mean({d}, {keep})", A, lambda t, d=d, keep=keep: t.mean(d, keepdim=keep)),
             (f"mean({dims}, {keep})", A, lambda t, dims=dims, keep=keep: t.mean(dims, keepdim=keep)),

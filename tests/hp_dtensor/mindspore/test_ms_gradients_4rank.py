@@ -18,6 +18,7 @@ Generated cases are seeded and counted; ranks start once for the module."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,7 +121,7 @@ def _sum_mean_cases(rank, world, mesh_shape, n_cases):
 
     mesh = init_device_mesh("cpu", mesh_shape)
     rs = np.random.RandomState(100 + len(mesh_shape))
-    stats = {"cases": 0, "mean_over_shard": 0, "wrong": [], "fell": set(), "worst": (0.0, 0.0)}
+    stats: dict[str, Any] = {"cases": 0, "mean_over_shard": 0, "wrong": [], "fell": set(), "worst": (0.0, 0.0)}
     for _ in range(n_cases):
         ndim = int(rs.randint(1, 4))
         shape = tuple(int(s) for s in rs.choice([4, 8], size=ndim))
@@ -220,7 +221,7 @@ def _extremum_cases(rank, world, mesh_shape, n_cases):
 
     mesh = init_device_mesh("cpu", mesh_shape)
     rs = np.random.RandomState(200 + len(mesh_shape))
-    stats = {"cases": 0, "ties_across_shards": 0, "wrong": [], "fell": set(), "counts": set()}
+    stats: dict[str, Any] = {"cases": 0, "ties_across_shards": 0, "wrong": [], "fell": set(), "counts": set()}
     for _ in range(n_cases):
         ndim = int(rs.randint(1, 4))
         shape = tuple(int(s) for s in rs.choice([4, 8], size=ndim))
@@ -380,7 +381,7 @@ def _cast_cases(rank, world, mesh_shape):
 
     mesh = init_device_mesh("cpu", mesh_shape)
     rs = np.random.RandomState(500)
-    out = {"checked": 0, "wrong": [], "worst": 0.0, "widening_comms": set(), "widening_placements": set()}
+    out: dict[str, Any] = {"checked": 0, "wrong": [], "worst": 0.0, "widening_comms": set(), "widening_placements": set()}
     casts = [
         ("astype(float16)", lambda t: t.astype(ms.float16)),
         ("ops.cast(bfloat16)", lambda t: ops.cast(t, ms.bfloat16)),
