@@ -85,6 +85,24 @@ def _case(name: str, world: int, rank: int) -> tuple[Any, Any, Any, Any, Any]:
                 "up": ColwiseParallel(input_layouts=Shard(1)), "down": RowwiseParallel(output_layouts=Shard(1))}
         return ref, parallelize_module(copy.deepcopy(ref), mesh, plan), seq_sharded, gather(1), same
 
+    if name == "sequence_sharded_swiglu_shared_input":
+        # gate and up read the caller's own sequence-sharded tensor: the annotation cache can share its
+        # gather (a DTensor input, such as a SequenceParallel norm's output, is redistributed per use)
+        class SharedInputSwiGLU(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.gate = nn.Linear(8, 12, bias=False, dtype=f64)
+                self.up = nn.Linear(8, 12, dtype=f64)
+                self.down = nn.Linear(12, 8, dtype=f64)
+
+            def forward(self, x: Any) -> Any:
+                return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+        ref = SharedInputSwiGLU()
+        plan = {"gate": ColwiseParallel(input_layouts=Shard(1)), "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1))}
+        return ref, parallelize_module(copy.deepcopy(ref), mesh, plan), seq_sharded, gather(1), same
+
     if name == "sequence_parallel_norm":
         ref = nn.LayerNorm(8, dtype=f64)
         return ref, parallelize_module(copy.deepcopy(ref), mesh, SequenceParallel()), seq_sharded, gather(1), same
@@ -137,11 +155,11 @@ def _case(name: str, world: int, rank: int) -> tuple[Any, Any, Any, Any, Any]:
 
     if name == "prepare_module_input_output_around_rowwise":
         ref = nn.Sequential(nn.Linear(8, 16, dtype=f64), nn.Tanh(), nn.Linear(16, 8, dtype=f64))
-        model = parallelize_module(copy.deepcopy(ref), mesh, {
-            "": PrepareModuleInputOutput(input_layouts=Shard(0), desired_input_layouts=Replicate(),
-                                         output_layouts=Replicate(), desired_output_layouts=Shard(0)),
-            "0": ColwiseParallel(), "2": RowwiseParallel(),
-        })
+        # the root's style is applied by itself: a plan key names a submodule, never the root ('')
+        model = parallelize_module(copy.deepcopy(ref), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        parallelize_module(model, mesh, PrepareModuleInputOutput(
+            input_layouts=Shard(0), desired_input_layouts=Replicate(),
+            output_layouts=Replicate(), desired_output_layouts=Shard(0)))
 
         def rows(gen: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             x = torch.randn(4, 8, dtype=f64, generator=gen)
@@ -243,7 +261,7 @@ def _cache_is_never_stale(rank: int, world: int) -> dict[str, Any]:
 
     from hp_dtensor import CommDebugMode
 
-    ref, model, make, to_global, _ = _case("colwise_rowwise_bias_and_sequence_sharded_swiglu", world, rank)
+    ref, model, make, to_global, _ = _case("sequence_sharded_swiglu_shared_input", world, rank)
     gen = torch.Generator().manual_seed(2)
     (x,), (xl,) = make(gen)
     gathers: dict[str, int] = {}
