@@ -62,7 +62,7 @@ def current() -> Backend:
 
 
 def backend_primitives(name: str, feature: str, instead: str) -> Any:
-    """The primitives object ``name`` (``RNG``, ``FSDP``, ``GRAD_NORM``...) the selected backend
+    """The primitives object ``name`` (``RNG``) the selected backend
     exports for one feature; ``NotImplementedError`` naming the backend and what to do ``instead``
     when it has none.  Callers type the result with the feature's own Protocol."""
     prims = getattr(current(), name, None)
