@@ -61,8 +61,8 @@ def _full_disk_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hp_checkpoint.atomic import save_checkpoint
-    from hp_checkpoint.safetensors_shards import save_shards, shard_file_primitives
     from hp_checkpoint.platform.torch import dcp as torch_dcp
+    from hp_checkpoint.safetensors_shards import save_shards, shard_file_primitives
 
     save_checkpoint(_state(), root, 1)
     files = shard_file_primitives()
