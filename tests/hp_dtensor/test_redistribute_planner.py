@@ -15,7 +15,18 @@ from hypothesis import strategies as st
 
 from hp_dtensor.layout.shard_geometry import check_even_sharding, local_offset, local_shape
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.redistribute.planner import StepKind, plan_distribute, plan_redistribute, step_cost
+from hp_dtensor.redistribute.planner import (
+    BYTES_ONLY,
+    GLOO_CPU_LATENCY_BYTES,
+    CostModel,
+    RedistributePlan,
+    StepKind,
+    cost_model,
+    plan_distribute,
+    plan_redistribute,
+    set_cost_model,
+    step_cost,
+)
 
 R, P = Replicate(), Partial()
 
@@ -66,9 +77,11 @@ def test_uneven_target_is_planned_with_padded_cost() -> None:
     # 5 rows reduce-scattered over 4: the input is padded to 8 rows, 3/4 of it moves
     plan = plan_redistribute((4,), (5, 1), (P,), (Shard(0),))
     assert [s.kind for s in plan.steps] == ["reduce_scatter"] and plan.cost == pytest.approx(0.75 * 8)
-    # with an even dim to scatter on, reduce-scattering there and moving the small shard is cheaper
-    plan = plan_redistribute((4,), (5, 4), (P,), (Shard(0),))
+    # with an even dim to scatter on, reduce-scattering there and moving the small shard moves
+    # fewer bytes; on a tensor this small one collective's latency outweighs them
+    plan = plan_redistribute((4,), (5, 4), (P,), (Shard(0),), model=BYTES_ONLY)
     assert [s.kind for s in plan.steps] == ["reduce_scatter", "all_to_all"] and plan.cost < 0.75 * 32
+    assert kinds((4,), (5, 4), (P,), (Shard(0),)) == ["reduce_scatter"]
 
 
 def test_intermediate_states_may_be_uneven_on_2x2() -> None:
@@ -117,10 +130,66 @@ def test_any_pair_has_a_plan_ending_at_target(mesh, data) -> None:
         state[step.mesh_dim] = step.dst
         check_even_sharding(shape, mesh, state)
     assert tuple(state) == dst
-    # never worse than the naive plan "make everything Replicate, then take the target"
-    naive = plan_redistribute(mesh, shape, src, tuple(R for _ in mesh)).cost
-    naive += plan_redistribute(mesh, shape, tuple(R for _ in mesh), dst).cost
-    assert plan.cost <= naive + 1e-9
+    # never worse under either model than the naive plan "everything Replicate, then the target"
+    for model in (BYTES_ONLY, CostModel()):
+        best = plan_redistribute(mesh, shape, src, dst, model=model)
+        to_r = plan_redistribute(mesh, shape, src, tuple(R for _ in mesh), model=model)
+        from_r = plan_redistribute(mesh, shape, tuple(R for _ in mesh), dst, model=model)
+        naive = modelled(to_r, model) + modelled(from_r, model)
+        assert modelled(best, model) <= naive + 1e-9
+
+
+def modelled(plan: RedistributePlan, model: CostModel, itemsize: int = 4) -> float:
+    """What the planner minimises, in elements: bytes moved plus each collective's latency."""
+    return plan.cost + len(plan.collectives()) * model.latency_bytes / itemsize
+
+
+# [Partial, Replicate] -> [Shard(0), Shard(0)] on 2x2: torch reduce-scatters on mesh dim 0 and
+# chunks on mesh dim 1 (1/2 of the tensor moves); chunking dim 1 first, reduce-scattering the half
+# and all_to_all-ing it moves 3/8 in two collectives.  The latency term decides which.
+PR, SS = (P, R), (Shard(0), Shard(0))
+
+
+def test_latency_keeps_small_moves_in_one_collective() -> None:
+    latency = GLOO_CPU_LATENCY_BYTES / 4  # in float32 elements
+    # the bytes saved by the extra all_to_all are numel/8: it pays above 8x the latency
+    crossover = 8 * latency
+    for numel, expected in ((1024, ["reduce_scatter"]), (int(crossover * 0.9), ["reduce_scatter"]),
+                            (int(crossover * 1.1), ["reduce_scatter", "all_to_all"])):
+        shape = (numel // 8, 8)
+        plan = plan_redistribute((2, 2), shape, PR, SS)
+        assert plan.collectives() == expected, (numel, plan.steps)
+        assert plan.collectives() == plan_redistribute((2, 2), shape, PR, SS, model=CostModel()).collectives()
+    # the bytes-only model takes the three-step plan at any size
+    assert plan_redistribute((2, 2), (128, 8), PR, SS, model=BYTES_ONLY).collectives() == [
+        "reduce_scatter", "all_to_all"]
+
+
+def test_latency_is_priced_per_byte_so_itemsize_moves_the_crossover() -> None:
+    numel = int(8 * GLOO_CPU_LATENCY_BYTES / 4 * 1.5)  # past the float32 crossover, before bf16's
+    shape = (numel // 8, 8)
+    assert plan_redistribute((2, 2), shape, PR, SS, itemsize=4).collectives() == ["reduce_scatter", "all_to_all"]
+    assert plan_redistribute((2, 2), shape, PR, SS, itemsize=2).collectives() == ["reduce_scatter"]
+    with pytest.raises(ValueError, match="itemsize must be a positive number of bytes, got 0"):
+        plan_redistribute((2, 2), shape, PR, SS, itemsize=0)
+
+
+def test_set_cost_model_replans_and_validates() -> None:
+    shape = (128, 8)
+    before = cost_model()
+    try:
+        cached = plan_redistribute((2, 2), shape, PR, SS)
+        set_cost_model(BYTES_ONLY)
+        assert cost_model() is BYTES_ONLY
+        assert plan_redistribute((2, 2), shape, PR, SS).collectives() == ["reduce_scatter", "all_to_all"]
+    finally:
+        set_cost_model(before)
+    assert plan_redistribute((2, 2), shape, PR, SS).collectives() == cached.collectives() == ["reduce_scatter"]
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="latency_bytes must be a finite number >= 0"):
+            CostModel(bad)
+    with pytest.raises(TypeError, match="set_cost_model takes a CostModel, got float"):
+        set_cost_model(0.0)  # type: ignore[arg-type]
 
 
 def test_local_geometry_tiles_the_tensor() -> None:

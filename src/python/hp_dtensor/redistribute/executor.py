@@ -187,10 +187,11 @@ def redistribute_local(
     dst: tuple[Placement, ...],
     prims: PlanPrimitives,
 ) -> Any:
-    """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard."""
+    """Apply the cheapest plan from ``src`` to ``dst`` to this rank's ``local`` shard (both
+    frameworks' tensors report their element size as ``itemsize``, which prices the plan)."""
     if src == dst:
         return local
-    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst), local, mesh, prims)
+    return run_plan(plan_redistribute(mesh.shape, global_shape, src, dst, int(local.itemsize)), local, mesh, prims)
 
 
 def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:

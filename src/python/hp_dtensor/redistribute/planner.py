@@ -18,8 +18,10 @@ Replicate -> Partial   local            0
 (mesh coordinate 0): uneven shards are padded to that size where a collective needs equal pieces
 (all_gather, reduce_scatter, all_to_all), so the cost is what the collective really moves, padding
 included.  The order of steps across mesh dims matters ([P, S] -> [R, R] reduces the small shard
-before gathering).  Dijkstra over states picks the minimum total; a small per-step charge prefers
-shorter plans among equals.  Mesh dims shard a tensor dim in mesh order, so a step on mesh dim k
+before gathering).  Each collective also pays a fixed latency (``CostModel``): a plan with more
+collectives wins only when the bytes it saves outweigh their start-up cost, so small tensors move
+in as few collectives as torch uses and large ones take the byte-cheapest route.  Dijkstra over
+states picks the minimum total; a small per-step charge prefers shorter plans among equals.  Mesh dims shard a tensor dim in mesh order, so a step on mesh dim k
 may only touch tensor dim d when no later mesh dim currently shards d.  Partials of different
 reduce ops on one tensor are refused (max does not commute with sum), except sum with avg, which
 do commute.  Plans are cached.
@@ -39,6 +41,45 @@ from hp_dtensor.layout.shard_geometry import check_shard_dims, chunk_size, is_ev
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, check_partials
 
 _STEP_CHARGE = 1e-3  # tie-breaker, in elements
+
+# The fixed cost of one collective, in bytes a rank could have sent in the same time, fitted by
+# ``benchmarks/redistribute_latency.py`` (t = latency + bytes / bandwidth per collective kind).
+# On 2-core CPU machines with gloo, groups of 2 measured 0.2-1.0 MB and groups of 4 1.2-3.3 MB
+# under load; the constant takes the low end so that the planner trades bytes for fewer calls
+# only where the measurement is unambiguous.
+GLOO_CPU_LATENCY_BYTES = 262_144.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """What the planner minimises: bytes moved per rank plus ``latency_bytes`` per collective.
+    ``latency_bytes=0`` is the pure bytes model (fewest bytes, whatever the number of calls)."""
+
+    latency_bytes: float = GLOO_CPU_LATENCY_BYTES
+
+    def __post_init__(self) -> None:
+        if not (self.latency_bytes >= 0 and math.isfinite(self.latency_bytes)):
+            raise ValueError(f"CostModel.latency_bytes must be a finite number >= 0, got {self.latency_bytes!r}")
+
+
+BYTES_ONLY = CostModel(0.0)
+_cost_model = CostModel()
+
+
+def cost_model() -> CostModel:
+    """The model plans are made with (``set_cost_model`` changes it)."""
+    return _cost_model
+
+
+def set_cost_model(model: CostModel) -> None:
+    """Plan with ``model`` from now on, e.g. the latency of another fabric measured with the
+    benchmark; plans already made for the old model are dropped."""
+    global _cost_model
+    if not isinstance(model, CostModel):
+        raise TypeError(f"set_cost_model takes a CostModel, got {type(model).__name__}")
+    _cost_model = model
+    _plan.cache_clear()
+    _plan_distribute.cache_clear()
 
 
 class StepKind(enum.StrEnum):
@@ -76,7 +117,7 @@ class PlanStep:
 @dataclass(frozen=True, slots=True)
 class RedistributePlan:
     steps: tuple[PlanStep, ...]
-    cost: float  # elements moved per rank (on the rank with the largest shard)
+    cost: float  # elements moved per rank (on the rank with the largest shard), latency not included
     global_shape: tuple[int, ...] = ()  # what the plan was made for: the walker sizes uneven
     src: tuple[Placement, ...] = ()  # shards (and their padding) from it
     source: int | None = None  # SCATTER/BROADCAST steps: the group rank (on each mesh dim) sending
@@ -157,14 +198,28 @@ def _candidates(k: int, tensor_ndim: int, src: Placement, dst: Placement) -> lis
     return cands
 
 
-@lru_cache(maxsize=4096)
 def plan_redistribute(
     mesh_shape: tuple[int, ...],
     global_shape: tuple[int, ...],
     src: tuple[Placement, ...],
     dst: tuple[Placement, ...],
+    itemsize: int = 4,
+    model: CostModel | None = None,
 ) -> RedistributePlan:
-    """Cheapest plan from ``src`` to ``dst`` placements; raises ``ValueError`` if none exists."""
+    """Cheapest plan from ``src`` to ``dst`` placements for elements of ``itemsize`` bytes under
+    ``model`` (default: ``cost_model()``); raises ``ValueError`` if none exists."""
+    return _plan(mesh_shape, global_shape, src, dst, itemsize, _cost_model if model is None else model)
+
+
+@lru_cache(maxsize=4096)
+def _plan(
+    mesh_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    src: tuple[Placement, ...],
+    dst: tuple[Placement, ...],
+    itemsize: int,
+    model: CostModel,
+) -> RedistributePlan:
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(
             f"placements {src} -> {dst} do not match a {len(mesh_shape)}-D mesh of shape {mesh_shape}"
@@ -180,15 +235,19 @@ def plan_redistribute(
     # and the padding an uneven detour costs rarely pays.
     even_only = is_even(global_shape, mesh_shape, src) and is_even(global_shape, mesh_shape, dst)
     options = [_candidates(k, ndim, src[k], dst[k]) for k in range(len(mesh_shape))]
+    if itemsize <= 0:
+        raise ValueError(f"itemsize must be a positive number of bytes, got {itemsize}")
+    latency = model.latency_bytes / itemsize  # in elements, the unit of the byte costs
     counter = itertools.count()
     best: dict[tuple[Placement, ...], float] = {src: 0.0}
-    heap: list[tuple[float, int, tuple[Placement, ...], tuple[PlanStep, ...]]] = [
-        (0.0, next(counter), src, ())
+    # (search cost, tie-break, state, steps, elements moved)
+    heap: list[tuple[float, int, tuple[Placement, ...], tuple[PlanStep, ...], float]] = [
+        (0.0, next(counter), src, (), 0.0)
     ]
     while heap:
-        cost, _, state, steps = heapq.heappop(heap)
+        cost, _, state, steps, moved = heapq.heappop(heap)
         if state == dst:
-            return RedistributePlan(steps, cost - _STEP_CHARGE * len(steps), global_shape, src)
+            return RedistributePlan(steps, moved, global_shape, src)
         if cost > best.get(state, math.inf):
             continue
         local = max_local_shape(global_shape, mesh_shape, state)
@@ -203,17 +262,15 @@ def plan_redistribute(
                 if _mixed(new_state) or (even_only and not is_even(global_shape, mesh_shape, new_state)):
                     continue
                 numel = padded_step_numel(local, kind, mesh_shape[k], cur, nxt)
-                new_cost = cost + step_cost(kind, mesh_shape[k], numel) + _STEP_CHARGE
+                elements = step_cost(kind, mesh_shape[k], numel)
+                new_cost = cost + elements + _STEP_CHARGE + (latency if kind.is_collective else 0.0)
                 if new_cost < best.get(new_state, math.inf):
                     best[new_state] = new_cost
-                    heapq.heappush(
-                        heap,
-                        (new_cost, next(counter), new_state, steps + (PlanStep(k, kind, cur, nxt),)),
-                    )
+                    step = PlanStep(k, kind, cur, nxt)
+                    heapq.heappush(heap, (new_cost, next(counter), new_state, steps + (step,), moved + elements))
     raise ValueError(f"no redistribute plan from {src} to {dst} on mesh {mesh_shape} for shape {global_shape}")
 
 
-@lru_cache(maxsize=1024)
 def plan_distribute(
     mesh_shape: tuple[int, ...],
     global_shape: tuple[int, ...],
@@ -227,8 +284,19 @@ def plan_distribute(
     run first and broadcasts after them, on the smaller pieces; a Partial dim zeroes its
     non-root ranks only after its broadcast.  (A step along mesh dim k takes the value of the
     rank with coordinate ``i`` on k, so the result is the source rank's, whatever the order.)"""
+    return _plan_distribute(mesh_shape, global_shape, placements, source, _cost_model)
+
+
+@lru_cache(maxsize=1024)
+def _plan_distribute(
+    mesh_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+    source: int | None,
+    model: CostModel,
+) -> RedistributePlan:
     replicated = tuple(Replicate() for _ in mesh_shape)
-    base = plan_redistribute(mesh_shape, global_shape, replicated, placements)
+    base = plan_redistribute(mesh_shape, global_shape, replicated, placements, model=model)
     if source is None:
         return base
     chunks = [PlanStep(s.mesh_dim, StepKind.SCATTER, s.src, s.dst) for s in base.steps if s.kind is StepKind.CHUNK]
