@@ -11,11 +11,13 @@ from mindspore import Tensor
 
 from hp_dtensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from hp_dtensor.api.dtensor_methods import DTensorMethods
+from hp_dtensor.platform import current
 
 
 @pytest.fixture(scope="module")
 def mesh():
-    return init_device_mesh("cpu", (1,))
+    yield init_device_mesh("cpu", (1,))
+    current().destroy()  # no world of one left behind for the next file of a batched pytest process
 
 
 def _t(a):

@@ -4,11 +4,22 @@ the kinds MindSpore meshes take ("cpu", "npu")."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 ACCEPTED = "['cpu', 'npu']"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leave_no_world_behind() -> Iterator[None]:
+    """The meshes built here join a world of one; leave it for the next file of a batched pytest
+    process to start afresh."""
+    yield
+    from hp_dtensor.platform import current
+
+    current().destroy()
 
 
 def _build(ctor: str, device_type: Any) -> Any:

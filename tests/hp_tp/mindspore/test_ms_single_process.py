@@ -42,7 +42,10 @@ assert os.environ.get("HYPER_PARALLEL_PLATFORM") == "mindspore", "run with HYPER
 
 @pytest.fixture(scope="module")
 def mesh():
-    return init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    from hp_dtensor.platform import current
+
+    yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    current().destroy()  # no world of one left behind for the next file of a batched pytest process
 
 
 def _t(a):
