@@ -25,6 +25,7 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-fsdp": ({"hp-dtensor"}, set()),
     "hp-protocols": ({"hp-dtensor"}, set()),
     "hp-checkpoint": ({"hp-dtensor"}, set()),
+    "hp-cp": ({"hp-dtensor"}, {"hp-tp"}),
     "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp"}),
 }
 UMBRELLA = "hyper-parallel"

@@ -143,3 +143,33 @@ def run_bad_input(rank: int, world: int, what: str) -> tuple[str, str]:
     except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
         return type(e).__name__, str(e)
     return "none", ""
+
+
+def run_largest_tensor(rank: int, world: int, seq: int) -> dict:
+    """The largest tensor any op produces during a ring attention forward and backward at
+    cp = world, and the bool tensors' largest (a mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+            self.mask = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+                    if t.dtype == torch.bool:
+                        self.mask = max(self.mask, t.numel())
+            return out
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    cp = ContextParallel(mesh, ContextParallelConfig(degree=world, compression=MaskCompression.EOD))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (cp.split(torch.randn(1, 1, seq, 4, generator=g), dim=2).requires_grad_(True) for _ in range(3))
+    with Largest() as mode:
+        out = cp.attention(q, k, v, seq_len=seq, actual_seq_len=[[seq // 3, seq]])
+        out.sum().backward()
+    return {"numel": mode.numel, "mask": mode.mask}

@@ -2,12 +2,13 @@
 """Ring (colossal) attention on 4 gloo ranks (CP groups of 2 and 4) against plain SDPA on the
 whole sequence in one process: outputs and input gradients, fp64 and fp32, causal and EOD masks,
 odd head counts and GQA over seeded generated cases; exactly cp - 1 key/value exchanges forward
-and cp - 1 plus cp gradient hops backward; the documented error on every rank for bad input."""
+and cp - 1 plus cp gradient hops backward; no dense mask; the documented error on every rank for
+bad input."""
 
 from __future__ import annotations
 
 import pytest
-from cp_cases import generate_cases, run_attention_case, run_bad_input
+from cp_cases import generate_cases, run_attention_case, run_bad_input, run_largest_tensor
 
 from hp_cp import COMPRESSION_REQUIRED, CPMethod
 from hp_dtensor.testing import RankPool, rank_pool_fixture
@@ -45,6 +46,17 @@ def test_ring_matches_sdpa_on_the_whole_sequence(pool4: RankPool) -> None:
     n_gqa = sum(c.kv_heads < c.heads for c in cases)
     print(f"ring attention: {len(cases)} generated cases ({n_eod} EOD, {n_gqa} GQA, "
           f"{sum(c.cp == 4 for c in cases)} at cp=4); worst relative error {worst}")
+
+
+def test_no_dense_mask_is_built(pool4: RankPool) -> None:
+    seq = 96
+    for r in pool4.run(run_largest_tensor, seq):
+        # blocks are (S / 2cp) x (S / 2cp): the largest tensor is a rank's q/k/v, the largest mask a block's
+        block = (seq // 8) ** 2
+        assert r["mask"] <= block, r
+        assert r["numel"] < seq * seq // 4, r
+    print(f"largest tensor during ring attention at seq {seq}, cp 4: {r['numel']} elements, largest mask "
+          f"{r['mask']} (a dense mask: {seq * seq})")
 
 
 @pytest.mark.parametrize("what,kind,words", [
