@@ -26,7 +26,7 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-protocols": ({"hp-dtensor"}, set()),
     "hp-checkpoint": ({"hp-dtensor"}, set()),
     "hp-cp": ({"hp-dtensor"}, {"hp-tp"}),
-    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp"}),
+    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-cp"}),
 }
 UMBRELLA = "hyper-parallel"
 FRAMEWORKS = {"torch", "mindspore", "numpy"}

@@ -84,6 +84,25 @@ class ContextParallel:
         rows = [document_position_ids(a, seq_len) for a in actual_seq_len]
         return self.split(self._prims.long_tensor(rows, like), dim=1)
 
+    def gather_chunks(self, per_chunk: Tensor) -> Tensor:
+        """Small per-chunk values of every rank in sequence order: ``per_chunk`` stacks one entry
+        per chunk this rank holds (dim 0, storage order); returns (n_chunks, ...) with entry ``c``
+        belonging to chunk ``c`` of the sequence.  One all-gather over the CP group;
+        differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
+        recurrent state's transition)."""
+        if self.mesh.ndim != 1:
+            raise NotImplementedError(
+                "gather_chunks on a 2-D (hybrid) CP mesh; use colossal or ulysses for recurrent layers"
+            )
+        gathered = self._prims.all_gather(per_chunk, self.mesh.get_group(0), self.cp)
+        per_rank = len(chunk_ids(0, self.cp))
+        where = {c: r * per_rank + i for r in range(self.cp) for i, c in enumerate(chunk_ids(r, self.cp))}
+        return self._prims.reorder(gathered, [where[c] for c in range(len(where))])
+
+    def chunk_ids(self) -> tuple[int, ...]:
+        """The sequence chunks this rank holds, in storage order."""
+        return chunk_ids(self.rank, self.cp)
+
     # ----- attention -----
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, seq_len: int,

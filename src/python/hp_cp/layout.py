@@ -98,7 +98,7 @@ class RingPlan:
     def blocks(self, step: int) -> list[tuple[int, int, int, int, int, int, BlockKind]]:
         """The (query offset, query length, key offset, key length, query segment index, key
         segment index, kind) blocks step ``step`` computes, skipped blocks left out."""
-        out = []
+        out: list[tuple[int, int, int, int, int, int, BlockKind]] = []
         qo = 0
         for qi, q in enumerate(self.segments[self.index]):
             ko = 0

@@ -41,6 +41,15 @@ class CPPrimitives(Protocol):
         """Differentiable all-to-all (its backward is the reverse all-to-all)."""
         ...
 
+    def all_gather(self, t: Tensor, group: Group, n: int) -> Tensor:
+        """Every rank's ``t`` concatenated along dim 0 in rank order; differentiable (each rank
+        gets the sum of the gradients of its rows)."""
+        ...
+
+    def reorder(self, t: Tensor, order: Sequence[int]) -> Tensor:
+        """Rows of dim 0 taken in ``order``."""
+        ...
+
     def repeat_heads(self, t: Tensor, times: int) -> Tensor:
         """Repeat every head of (B, H, S, D) ``times`` times, consecutively (differentiable)."""
         ...

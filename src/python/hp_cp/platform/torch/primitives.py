@@ -36,6 +36,18 @@ class _SumOver(torch.autograd.Function):
         return grad, None, None
 
 
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, n: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.args = (group, n)
+        return collectives.all_gather(t.contiguous(), 0, group, n)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        group, n = ctx.args
+        return collectives.reduce_scatter(grad.contiguous(), 0, "sum", group, n), None, None
+
+
 class TorchCP:
     def take_chunks(self, t: torch.Tensor, dim: int, n_chunks: int, chunks: Sequence[int]) -> torch.Tensor:
         parts = t.chunk(n_chunks, dim=dim) if n_chunks > 1 else (t,)
@@ -57,6 +69,14 @@ class TorchCP:
         if n == 1:
             return t
         return _AllToAll.apply(t, split_dim, concat_dim, group, n)  # type: ignore[no-any-return]
+
+    def all_gather(self, t: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        if n == 1:
+            return t
+        return _AllGather.apply(t, group, n)  # type: ignore[no-any-return]
+
+    def reorder(self, t: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+        return t[torch.tensor(list(order), dtype=torch.long, device=t.device)]
 
     def repeat_heads(self, t: torch.Tensor, times: int) -> torch.Tensor:
         return t if times == 1 else t.repeat_interleave(times, dim=1)

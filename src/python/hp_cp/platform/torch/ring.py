@@ -37,7 +37,8 @@ class _Exchange:
 
     def wait(self) -> torch.Tensor:
         for w in self._works:
-            w.wait()
+            if w is not None:
+                w.wait()
         return self._buf
 
 
