@@ -64,6 +64,12 @@ check deny hp_protocols hp_checkpoint
 check deny hp_checkpoint hp_tp
 check deny hp_checkpoint hp_fsdp
 check deny hp_checkpoint hp_protocols
+check deny hp_cp hp_fsdp
+check deny hp_cp hp_protocols
+check deny hp_cp hp_models
+check deny hp_dtensor hp_cp
+check deny hp_tp hp_cp
+check deny hp_fsdp hp_cp
 # frameworks only under platform/<framework>/
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
@@ -74,6 +80,9 @@ check deny hp_checkpoint torch
 check deny hp_checkpoint mindspore
 check deny hp_protocols torch
 check deny hp_protocols mindspore
+check deny hp_cp torch
+check deny hp_cp/platform/torch mindspore
+check deny hp_cp hp_dtensor.platform.torch.collectives
 check deny hp_fsdp/platform/torch mindspore
 check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
 check deny hp_fsdp hp_dtensor.platform.torch.collectives
@@ -90,4 +99,7 @@ check allow hp_fsdp hp_dtensor
 check allow hp_models hp_fsdp
 check allow hp_checkpoint hp_dtensor
 check allow hp_models hp_checkpoint
+check allow hp_cp hp_dtensor
+check allow hp_cp/platform/torch torch
+check allow hp_cp/platform/torch hp_dtensor.platform.torch.collectives
 check_allowed

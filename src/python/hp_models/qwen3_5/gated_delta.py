@@ -39,6 +39,16 @@ def chunk_gated_delta_rule(
 
     Returns (B, S, Hv, Dv).  Each key head serves ``Hv // Hk`` consecutive value heads; q and k
     are L2-normalized and q scaled by ``Dk ** -0.5``; the math runs in fp32."""
+    return chunk_gated_delta_rule_with_state(q, k, v, g, beta, chunk_size)[0]
+
+
+def chunk_gated_delta_rule_with_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_gated_delta_rule`` starting from ``initial_state`` (B, Hv, Dk, Dv) in fp32 (zero
+    when None), also returning the state after the last token.  A sequence cut in pieces gives
+    the same outputs when each piece starts from the state the previous one ended with."""
     out_dtype = q.dtype
     seq = q.shape[1]
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)  # (B, H, S, D) in fp32
@@ -72,14 +82,15 @@ def chunk_gated_delta_rule(
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()
 
-    state = q.new_zeros(b, h, dk, dv)
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
         state = state * chunk_decay[:, :, i, None, None] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(b, h, total, dv)[:, :, :seq]
-    return out.transpose(1, 2).contiguous().to(out_dtype)
+    # padded positions have g = 0 and beta = 0: they leave the state as it was
+    return out.transpose(1, 2).contiguous().to(out_dtype), state
 
 
 def recurrent_gated_delta_rule(
