@@ -49,6 +49,12 @@ check deny hp_protocols hp_checkpoint
 check deny hp_checkpoint hp_tp
 check deny hp_checkpoint hp_fsdp
 check deny hp_checkpoint hp_protocols
+check deny hp_pp hp_tp
+check deny hp_pp hp_fsdp
+check deny hp_pp hp_protocols
+check deny hp_pp hp_models
+check deny hp_dtensor hp_pp
+check deny hp_tp hp_pp
 # frameworks only under platform/<framework>/
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
@@ -59,6 +65,8 @@ check deny hp_checkpoint torch
 check deny hp_checkpoint mindspore
 check deny hp_protocols torch
 check deny hp_protocols mindspore
+check deny hp_pp torch
+check deny hp_pp hp_dtensor.platform.torch.collectives
 check deny hp_fsdp/platform/torch mindspore
 check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
 check deny hp_fsdp hp_dtensor.platform.torch.collectives
@@ -75,5 +83,8 @@ check allow hp_fsdp hp_dtensor
 check allow hp_models hp_fsdp
 check allow hp_checkpoint hp_dtensor
 check allow hp_models hp_checkpoint
+check allow hp_pp hp_dtensor
+check allow hp_pp/platform/torch torch
+check allow hp_models hp_pp
 ./pants dependencies :: >/dev/null
 echo "ok: the tree has no forbidden edge"

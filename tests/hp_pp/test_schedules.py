@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from hp_pp import ActionKind, PipelineConfigError, ScheduleKind, build_plan, simulate, theoretical_bubble
+from hp_pp import ActionKind, PipelineConfigError, PipelinePlan, ScheduleKind, build_plan, simulate, theoretical_bubble
 
 K = ActionKind
 SIZES = [(pp, m) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
@@ -25,7 +25,7 @@ def _expected_p2p(pp: int, nv: int, m: int, r: int) -> tuple[int, int]:
     return sends, sends
 
 
-def _check(plan, nv: int, m: int) -> None:
+def _check(plan: PipelinePlan, nv: int, m: int) -> None:
     sim = simulate(plan)  # raises on deadlock or on a compute before its data
     for r in range(plan.pp):
         stages = [v for v in range(nv) if v % plan.pp == r]
