@@ -70,6 +70,12 @@ check deny hp_cp hp_models
 check deny hp_dtensor hp_cp
 check deny hp_tp hp_cp
 check deny hp_fsdp hp_cp
+check deny hp_pp hp_tp
+check deny hp_pp hp_fsdp
+check deny hp_pp hp_protocols
+check deny hp_pp hp_models
+check deny hp_dtensor hp_pp
+check deny hp_tp hp_pp
 # frameworks only under platform/<framework>/
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
@@ -83,6 +89,8 @@ check deny hp_protocols mindspore
 check deny hp_cp torch
 check deny hp_cp/platform/torch mindspore
 check deny hp_cp hp_dtensor.platform.torch.collectives
+check deny hp_pp torch
+check deny hp_pp hp_dtensor.platform.torch.collectives
 check deny hp_fsdp/platform/torch mindspore
 check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
 check deny hp_fsdp hp_dtensor.platform.torch.collectives
@@ -103,3 +111,8 @@ check allow hp_cp hp_dtensor
 check allow hp_cp/platform/torch torch
 check allow hp_cp/platform/torch hp_dtensor.platform.torch.collectives
 check_allowed
+check allow hp_pp hp_dtensor
+check allow hp_pp/platform/torch torch
+check allow hp_models hp_pp
+./pants dependencies :: >/dev/null
+echo "ok: the tree has no forbidden edge"

@@ -26,7 +26,8 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-protocols": ({"hp-dtensor"}, set()),
     "hp-checkpoint": ({"hp-dtensor"}, set()),
     "hp-cp": ({"hp-dtensor"}, {"hp-tp"}),
-    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-cp"}),
+    "hp-pp": ({"hp-dtensor"}, set()),
+    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-cp", "hp-pp"}),
 }
 UMBRELLA = "hyper-parallel"
 FRAMEWORKS = {"torch", "mindspore", "numpy"}
