@@ -1,4 +1,4 @@
-# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc"
 """Qwen3.5 pipeline-parallel on 2 gloo ranks equals one process, and torch.distributed.pipelining.
 
 Each case builds the model with one seed on every rank, cuts it into stages (``hp_pp.split_layers``:

@@ -7,7 +7,15 @@ import itertools
 
 import pytest
 
-from hp_pp import ActionKind, PipelineConfigError, PipelinePlan, ScheduleKind, build_plan, simulate, theoretical_bubble
+from hp_pp import (
+    ActionKind,
+    PipelineConfigError,
+    PipelinePlan,
+    ScheduleKind,
+    build_plan,
+    simulate,
+    theoretical_bubble,
+)
 
 K = ActionKind
 SIZES = [(pp, m) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
