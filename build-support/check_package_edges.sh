@@ -49,6 +49,10 @@ check deny hp_protocols hp_checkpoint
 check deny hp_checkpoint hp_tp
 check deny hp_checkpoint hp_fsdp
 check deny hp_checkpoint hp_protocols
+check deny hp_ep hp_fsdp
+check deny hp_ep hp_models
+check deny hp_tp hp_ep
+check deny hp_dtensor hp_ep
 # frameworks only under platform/<framework>/
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
@@ -60,6 +64,8 @@ check deny hp_checkpoint mindspore
 check deny hp_protocols torch
 check deny hp_protocols mindspore
 check deny hp_fsdp/platform/torch mindspore
+check deny hp_ep torch
+check deny hp_ep/platform/torch mindspore
 check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
 check deny hp_fsdp hp_dtensor.platform.torch.collectives
 check deny hp_checkpoint hp_dtensor.platform.mindspore.collectives
@@ -75,5 +81,9 @@ check allow hp_fsdp hp_dtensor
 check allow hp_models hp_fsdp
 check allow hp_checkpoint hp_dtensor
 check allow hp_models hp_checkpoint
+check allow hp_ep hp_dtensor
+check allow hp_ep hp_tp
+check allow hp_ep/platform/torch torch
+check allow hp_models hp_ep
 ./pants dependencies :: >/dev/null
 echo "ok: the tree has no forbidden edge"

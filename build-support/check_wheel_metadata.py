@@ -25,7 +25,8 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-fsdp": ({"hp-dtensor"}, set()),
     "hp-protocols": ({"hp-dtensor"}, set()),
     "hp-checkpoint": ({"hp-dtensor"}, set()),
-    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp"}),
+    "hp-ep": ({"hp-dtensor", "hp-tp"}, set()),
+    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-ep"}),
 }
 UMBRELLA = "hyper-parallel"
 FRAMEWORKS = {"torch", "mindspore", "numpy"}

@@ -81,7 +81,7 @@ def test_model_matches_transformers_on_generated_cases(tmp_path) -> None:
         # the experts HF routes each token to, captured at its router
         hf_routes: list[torch.Tensor] = []
         hooks = [
-            layer.mlp.gate.register_forward_hook(lambda m, i, o: hf_routes.append(o[2]))
+            layer.mlp.gate.register_forward_hook(lambda m, i, o, routes=hf_routes: routes.append(o[2]))
             for layer in hf.model.layers
         ]
         out = hf(ids, labels=labels, output_router_logits=True)
@@ -107,7 +107,7 @@ def test_model_matches_transformers_on_generated_cases(tmp_path) -> None:
             ref = hf_grads[name]
             atol = max(1e-6, 1e-3 * ref.abs().max().item())
             worst["grad"] = max(worst["grad"], ((p.grad - ref).abs().max() / (ref.abs().max() + 1e-12)).item())
-            torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=atol, msg=lambda m, n=name: f"case {case} {n}: {m}")
+            torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=atol, msg=lambda m, n=name, c=case: f"case {c} {n}: {m}")
     print(f"\n{CASES} generated cases, {routed_tokens} token routings equal as sets; worst |logits diff| "
           f"{worst['logits']:.2e}, |loss diff| {worst['loss']:.2e}, grad diff / max|grad| {worst['grad']:.2e}")
 

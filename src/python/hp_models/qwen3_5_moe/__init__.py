@@ -1,7 +1,12 @@
 """Qwen3.5 sparse-MoE text model (HF ``qwen3_5_moe_text``) and its HF checkpoint adapter."""
 
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig, tiny_moe_config
-from hp_models.qwen3_5_moe.model import GroupedExperts, Qwen3_5MoeForCausalLM, SparseMoeBlock, load_balancing_loss
+from hp_models.qwen3_5_moe.model import (
+    GroupedExperts,
+    Qwen3_5MoeForCausalLM,
+    SparseMoeBlock,
+    load_balancing_loss,
+)
 from hp_models.qwen3_5_moe.state_dict_adapter import Qwen3_5MoeStateDictAdapter
 from hp_protocols import ModelSpec, register_model_spec
 
