@@ -23,7 +23,7 @@ pool2 = rank_pool_fixture(2, timeout=180)
 pool4 = rank_pool_fixture(4, timeout=180)
 
 RTOL, ATOL = 1.5e-4, 1e-5
-LAYER_CASES = {2: 10, 4: 8}
+LAYER_CASES = {2: 8, 4: 6}
 
 
 def _block_config(case: random.Random):
@@ -127,8 +127,8 @@ def _model_case(rank: int, world: int, seed: int) -> float:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     for layer in model.model.layers:
         parallelize_module(layer.mlp, mesh, {"experts": ExpertParallel()})
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     gen = torch.Generator().manual_seed(seed + 1)
     n_local = cfg.num_experts // world
     worst = 0.0
@@ -167,8 +167,8 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
 
     messages = []
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    block = SparseMoeBlock(tiny_moe_config(num_experts=6, num_experts_per_tok=2))
-    with pytest.raises(ValueError, match=f"num_experts 6 is not divisible by the ep mesh size {world}") as e:
+    block = SparseMoeBlock(tiny_moe_config(num_experts=5, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=f"num_experts 5 is not divisible by the ep mesh size {world}") as e:
         parallelize_module(block, mesh, {"experts": ExpertParallel()})
     messages.append(str(e.value))
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(top_k\) 9 must be between 1 and num_experts 8") as e:
@@ -212,9 +212,10 @@ def test_bad_input_same_error_on_every_rank(world, pool2, pool4) -> None:
 
 
 def test_mindspore_is_refused_naming_the_feature(monkeypatch) -> None:
+    import hp_dtensor.platform as platform
     from hp_dtensor.platform import package_backend
 
-    monkeypatch.setenv("HYPER_PARALLEL_PLATFORM", "mindspore")
+    monkeypatch.setattr(platform, "platform_name", lambda: "mindspore")  # as if MindSpore were selected
     package_backend.cache_clear()
     try:
         with pytest.raises(NotImplementedError, match=r"expert parallelism \(ExpertParallel\) is not supported on the "
