@@ -174,7 +174,7 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError, match=r"num_experts_per_tok \(top_k\) 9 must be between 1 and num_experts 8") as e:
         tiny_moe_config(num_experts_per_tok=9)
     messages.append(str(e.value))
-    job = {"parallelism": {"tensor_parallel": 1, "expert_parallel": 3}}
+    job: dict[str, dict[str, object]] = {"parallelism": {"tensor_parallel": 1, "expert_parallel": 3}}
     with pytest.raises(ValueError, match=r"expert_parallel 3 must divide dp_shard\*cp\*tp") as e:
         JobConfig.from_dict(job).resolve(world)
     messages.append(str(e.value))
