@@ -76,6 +76,10 @@ check deny hp_pp hp_protocols
 check deny hp_pp hp_models
 check deny hp_dtensor hp_pp
 check deny hp_tp hp_pp
+check deny hp_ep hp_fsdp
+check deny hp_ep hp_models
+check deny hp_tp hp_ep
+check deny hp_dtensor hp_ep
 # frameworks only under platform/<framework>/
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
@@ -92,6 +96,8 @@ check deny hp_cp hp_dtensor.platform.torch.collectives
 check deny hp_pp torch
 check deny hp_pp hp_dtensor.platform.torch.collectives
 check deny hp_fsdp/platform/torch mindspore
+check deny hp_ep torch
+check deny hp_ep/platform/torch mindspore
 check deny hp_tp/platform/mindspore hp_tp.platform.torch.loss_parallel
 check deny hp_fsdp hp_dtensor.platform.torch.collectives
 check deny hp_checkpoint hp_dtensor.platform.mindspore.collectives
@@ -114,5 +120,9 @@ check_allowed
 check allow hp_pp hp_dtensor
 check allow hp_pp/platform/torch torch
 check allow hp_models hp_pp
+check allow hp_ep hp_dtensor
+check allow hp_ep hp_tp
+check allow hp_ep/platform/torch torch
+check allow hp_models hp_ep
 ./pants dependencies :: >/dev/null
 echo "ok: the tree has no forbidden edge"

@@ -27,7 +27,8 @@ EDGES: dict[str, tuple[set[str], set[str]]] = {
     "hp-checkpoint": ({"hp-dtensor"}, set()),
     "hp-cp": ({"hp-dtensor"}, {"hp-tp"}),
     "hp-pp": ({"hp-dtensor"}, set()),
-    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-cp", "hp-pp"}),
+    "hp-ep": ({"hp-dtensor", "hp-tp"}, set()),
+    "hp-models": ({"hp-tp", "hp-protocols", "hp-checkpoint", "hp-dtensor"}, {"hp-fsdp", "hp-cp", "hp-pp", "hp-ep"}),
 }
 UMBRELLA = "hyper-parallel"
 FRAMEWORKS = {"torch", "mindspore", "numpy"}

@@ -17,6 +17,7 @@ from hp_dtensor import (
     init_device_mesh,
     manual_seed,
 )
+from hp_ep import ExpertParallel
 from hp_fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -61,4 +62,5 @@ __all__ = [
     "distribute_module", "distribute_tensor", "init_device_mesh", "manual_seed",
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
     "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm",
+    "ExpertParallel",
 ]

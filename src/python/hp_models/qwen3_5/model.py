@@ -188,11 +188,12 @@ class GatedDeltaNet(Module):
 
 
 class MLP(Module):
-    def __init__(self, config: Qwen3_5Config) -> None:
+    def __init__(self, config: Qwen3_5Config, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -206,9 +207,13 @@ class DecoderLayer(Module):
             self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.mlp = self._make_mlp(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def _make_mlp(self, config: Qwen3_5Config) -> Module:
+        """The feed-forward block; a sparse-MoE variant overrides this."""
+        return MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -221,10 +226,12 @@ class DecoderLayer(Module):
 
 
 class TextModel(Module):
+    layer_cls: type[DecoderLayer] = DecoderLayer  # a sparse-MoE variant swaps the decoder layer
+
     def __init__(self, config: Qwen3_5Config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in (config.layer_types or []))
+        self.layers = nn.ModuleList(self.layer_cls(config, t) for t in (config.layer_types or []))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 

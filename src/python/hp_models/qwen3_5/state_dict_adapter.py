@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,27 +121,36 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
                         "model.embed_tokens.weight (the tie was broken); re-tie them before loading"
                     )
                 params.pop("lm_head.weight", None)
-            plan: list[tuple[str, Any, Any, str, int]] = []
+            reads: list[Callable[[], str]] = []
             for key, param in params.items():
-                hf_key, offset = self.hf_source(key)
-                if hf_key not in where:
-                    raise KeyError(f"checkpoint in {path!r} has no tensor {hf_key!r} (for {key!r})")
-                handle, name = where[hf_key]
-                self._check_global(key, hf_key, param, handle.get_slice(name), allow_dtype_cast)
-                plan.append((key, param, handle, name, offset))
-            for key, param, handle, name, offset in plan:
-                hf_key = self.hf_source(key)[0]
-                local = param._local_tensor if isinstance(param, DTensor) else param
-                piece = handle.get_slice(name)[_local_index(param, offset)]
-                if hf_key.endswith("conv1d.weight"):
-                    piece = piece.squeeze(1)
-                if tuple(piece.shape) != tuple(local.shape):
-                    raise ValueError(
-                        f"{key}: checkpoint slice has shape {tuple(piece.shape)}, the model holds {tuple(local.shape)}"
-                    )
-                local.copy_(piece.to(local.dtype))
-                read.append(hf_key)
+                reads.extend(self._plan_reads(key, param, where, path, allow_dtype_cast))
+            read.extend(r() for r in reads)  # every global shape and dtype is checked before any read
         return read
+
+    def _plan_reads(
+        self, key: str, param: Any, where: dict[str, tuple[Any, str]], path: str, allow_dtype_cast: bool
+    ) -> list[Callable[[], str]]:
+        """Check ``param``'s HF source(s) and return the reads that fill this rank's shard of it,
+        each a zero-argument callable returning the HF name it read."""
+        hf_key, offset = self.hf_source(key)
+        if hf_key not in where:
+            raise KeyError(f"checkpoint in {path!r} has no tensor {hf_key!r} (for {key!r})")
+        handle, name = where[hf_key]
+        self._check_global(key, hf_key, param, handle.get_slice(name), allow_dtype_cast)
+
+        def read() -> str:
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            piece = handle.get_slice(name)[_local_index(param, offset)]
+            if hf_key.endswith("conv1d.weight"):
+                piece = piece.squeeze(1)
+            if tuple(piece.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"{key}: checkpoint slice has shape {tuple(piece.shape)}, the model holds {tuple(local.shape)}"
+                )
+            local.copy_(piece.to(local.dtype))
+            return hf_key
+
+        return [read]
 
     def _expected_hf_shape(self, key: str, hf_key: str, param: Any) -> tuple[int, ...]:
         """Global shape the HF tensor ``hf_key`` must have for this model's ``key``."""

@@ -1,0 +1,35 @@
+"""What expert parallelism needs from a framework: ``EP`` of ``hp_ep.platform.<framework>``.
+
+The backend moves rows (count exchange, the variable-split all-to-all with its reverse as the
+backward, row gathers); every decision -- which rows go where, in what order -- is made in
+``hp_ep.dispatch``.  Tensors are the framework's own, typed ``Tensor`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from hp_ep.platform import framework_module
+
+Tensor = Any  # the framework's tensor type
+
+
+class EPPrimitives(Protocol):
+    def to_list(self, t: Tensor) -> list[int]: ...
+    def exchange_counts(self, counts: Tensor, group: Any, ep: int) -> Tensor:
+        """All-to-all of equal slices of an int tensor: slice ``r`` goes to group rank ``r``."""
+        ...
+    def all_to_all_rows(self, x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group: Any) -> Tensor:
+        """Differentiable all-to-all of rows with variable split sizes; backward is the reverse."""
+        ...
+    def take_rows(self, x: Tensor, index: Sequence[int]) -> Tensor:
+        """Rows ``x[index]``, differentiable (backward scatters back)."""
+        ...
+    def int_tensor(self, values: Sequence[int], like: Tensor) -> Tensor: ...
+    def local_of(self, t: Tensor) -> Tensor: ...
+
+
+def ep_primitives() -> EPPrimitives:
+    prims: EPPrimitives = framework_module("expert parallelism (ExpertParallel)").EP
+    return prims

@@ -1,0 +1,165 @@
+"""The sparse-MoE Qwen3.5 text model (HF ``qwen3_5_moe_text`` semantics).
+
+The token mixers, norms and rotary tables are the dense model's; each decoder layer's MLP is a
+``SparseMoeBlock``.  The routed experts are held stacked, one ``(num_experts, out, in)`` tensor per
+projection, so expert parallelism shards them on dim 0 and the state-dict adapter splits them
+into HF's per-expert tensors.  Tokens are grouped by expert before ``GroupedExperts`` runs them,
+which is the seam where an expert-parallel style moves tokens to the ranks owning their experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hp_models.qwen3_5.model import MLP, DecoderLayer, TextModel, local
+from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
+from hp_protocols import BaseModel, Module
+
+
+class GroupedExperts(Module):
+    """``num_experts`` SwiGLU experts held as stacked ``gate_proj``/``up_proj`` ``(E, I, H)`` and
+    ``down_proj`` ``(E, H, I)``.  ``forward(x, counts)`` takes tokens grouped by expert (the first
+    ``counts[0]`` rows for the first expert this module holds, and so on) and returns each row run
+    through its expert.  Under expert parallelism the module holds a contiguous range of experts
+    and ``counts`` has one entry per held expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.02)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        wg, wu, wd = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
+        sizes = [int(n) for n in counts.tolist()]
+        if len(sizes) != wg.shape[0]:
+            raise ValueError(f"GroupedExperts got token counts for {len(sizes)} experts, it holds {wg.shape[0]}")
+        outs = [
+            F.linear(F.silu(F.linear(xe, wg[e])) * F.linear(xe, wu[e]), wd[e])
+            for e, xe in enumerate(torch.split(x, sizes))
+        ]
+        if not outs:
+            return x.new_zeros(0, wd.shape[1])
+        return torch.cat(outs)
+
+
+class SparseMoeBlock(Module):
+    """Router (linear -> softmax -> top-k -> renormalise), routed experts, and a shared expert
+    scaled by ``sigmoid(shared_expert_gate(x))``.  After each forward ``router_probs`` (T, E) and
+    ``router_topk`` (T, k) hold this call's routing (for the load-balancing loss) and
+    ``tokens_per_expert`` (E,) its assignment counts."""
+
+    def __init__(self, config: Qwen3_5MoeConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.router_probs: torch.Tensor | None = None
+        self.router_topk: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(softmax probabilities (T, E) in fp32, top-k weights (T, k) in x's dtype, top-k expert ids (T, k))."""
+        logits = self.gate(x2)
+        probs = torch.softmax(local(logits).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights.to(x2.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        probs, weights, ids = self.route(x2)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token copies grouped by expert, in token order
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token_of = order // self.top_k
+        routed = self.experts(x2[token_of], counts) * weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros_like(x2).index_add(0, token_of, routed.to(x2.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        self.router_probs, self.router_topk, self.tokens_per_expert = probs, ids, counts.detach()
+        return (out + shared).reshape(shape)
+
+
+class MoeDecoderLayer(DecoderLayer):
+    def _make_mlp(self, config: Any) -> Module:
+        return SparseMoeBlock(config)
+
+
+class MoeTextModel(TextModel):
+    layer_cls = MoeDecoderLayer
+
+
+def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch.Tensor:
+    """Switch-Transformer auxiliary loss over the last forward of ``blocks``, as HF computes it:
+    ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e``
+    its mean router probability, both over every layer's tokens."""
+    counts = torch.zeros(num_experts, dtype=torch.float32)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32)
+    rows = 0
+    for b in blocks:
+        if b.router_probs is None or b.router_topk is None:
+            raise RuntimeError("load_balancing_loss needs a forward first (no routing recorded)")
+        probs = b.router_probs
+        counts = counts.to(probs.device) + torch.bincount(b.router_topk.reshape(-1), minlength=num_experts).float()
+        prob_sum = prob_sum.to(probs.device) + probs.sum(dim=0)
+        rows += probs.shape[0]
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+class Qwen3_5MoeForCausalLM(BaseModel):
+    """``input_ids`` (B, S) -> logits (B, S, vocab); ``aux_loss()`` is the router's load-balancing
+    loss of the last forward (add ``config.router_aux_loss_coef * aux_loss()`` to the LM loss)."""
+
+    Config = Qwen3_5MoeConfig
+
+    def __init__(self, config: Qwen3_5MoeConfig) -> None:
+        super().__init__(config)
+        self.model = MoeTextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def aux_loss(self) -> torch.Tensor:
+        cfg: Qwen3_5MoeConfig = self.config  # type: ignore[assignment]
+        return load_balancing_loss(self.moe_blocks(), cfg.num_experts)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy (position t predicts ``labels[t + 1]``; -100 ignored) plus the
+        weighted load-balancing loss of the same forward, as HF's ``labels=`` loss."""
+        cfg: Qwen3_5MoeConfig = self.config  # type: ignore[assignment]
+        ce = F.cross_entropy(
+            local(logits)[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        return ce + cfg.router_aux_loss_coef * self.aux_loss()
+
+    def get_nparams_and_flops(self, seq_len: int) -> tuple[int, int]:
+        """Active parameters per token: the routed experts count ``top_k / num_experts`` of theirs."""
+        cfg: Qwen3_5MoeConfig = self.config  # type: ignore[assignment]
+        nparams, _ = super().get_nparams_and_flops(seq_len)
+        expert = sum(p.numel() for b in self.moe_blocks() for p in b.experts.parameters())
+        embed = self.model.embed_tokens.weight.numel()
+        active = nparams - embed - expert + expert * cfg.num_experts_per_tok // cfg.num_experts
+        n_full = sum(t == "full_attention" for t in (cfg.layer_types or []))
+        return nparams, 6 * active + 12 * n_full * cfg.num_attention_heads * cfg.head_dim * seq_len
+
+
+__all__ = ["GroupedExperts", "MoeDecoderLayer", "Qwen3_5MoeForCausalLM", "SparseMoeBlock", "load_balancing_loss"]

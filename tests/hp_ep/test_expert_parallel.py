@@ -1,0 +1,227 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc,assignment"
+# (tests drive DTensors through torch APIs typed for plain tensors)
+"""``ExpertParallel`` on 2 and 4 real gloo ranks against one process holding every expert.
+
+Seeded generated cases (batch sizes including a rank with no tokens, top-k, skewed routers that
+send every token to one expert) check the MoE block's output, every gradient, exact token counts
+(what each rank sends and receives sums to tokens x top_k), the all-to-alls each forward and
+backward issues and their bytes.  The whole tiny MoE model is trained 3 AdamW steps at ep=2 and
+ep=4 and must equal one process.  Bad configurations raise the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from hp_dtensor.testing import rank_pool_fixture
+
+pool2 = rank_pool_fixture(2, timeout=180)
+pool4 = rank_pool_fixture(4, timeout=180)
+
+RTOL, ATOL = 1.5e-4, 1e-5
+LAYER_CASES = {2: 8, 4: 6}
+
+
+def _block_config(case: random.Random):
+    from hp_models.qwen3_5_moe import tiny_moe_config
+
+    return tiny_moe_config(
+        hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=12,
+        shared_expert_intermediate_size=8, num_experts=case.choice([4, 8]), num_experts_per_tok=case.choice([1, 2, 3]),
+    )
+
+
+def _layer_case(rank: int, world: int, seed: int) -> dict:
+    import torch.distributed as dist
+
+    from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
+    from hp_ep import ExpertParallel
+    from hp_models.qwen3_5_moe import SparseMoeBlock
+    from hp_tp import parallelize_module
+
+    case = random.Random(seed)
+    cfg = _block_config(case)
+    skew = case.random() < 0.3
+    torch.manual_seed(seed)
+    ref = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+        if skew:  # every token's largest logit is one expert's: it gets all the traffic
+            ref.gate.weight.zero_()
+            ref.gate.weight[case.randrange(cfg.num_experts)] = 5.0
+    block = copy.deepcopy(ref)
+    # every rank draws every rank's batch (one of them may be empty)
+    empty = case.randrange(world) if case.random() < 0.4 else -1
+    xs = [torch.randn(0 if r == empty else case.choice([1, 2, 3]), case.choice([3, 5]), cfg.hidden_size) for r in range(world)]
+    if skew:
+        xs = [x.abs() for x in xs]
+    gs = [torch.randn_like(x) for x in xs]
+    ref_xs = [x.clone().requires_grad_() for x in xs]
+    for x, g in zip(ref_xs, gs):
+        (ref(x) * g).sum().backward()
+    ref_outs = [ref(x).detach() for x in xs]
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    style = ExpertParallel()
+    parallelize_module(block, mesh, {"experts": style})
+    x = xs[rank].clone().requires_grad_()
+    with CommDebugMode() as fwd:
+        out = block(x)
+    with CommDebugMode() as bwd:
+        (out * gs[rank]).sum().backward()
+    torch.testing.assert_close(out, ref_outs[rank], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(x.grad, ref_xs[rank].grad, rtol=RTOL, atol=ATOL)  # through both all-to-alls
+    worst = (out - ref_outs[rank]).abs().max().item() if out.numel() else 0.0
+    n_local = cfg.num_experts // world
+    for name, p in block.named_parameters():
+        ref_grad = dict(ref.named_parameters())[name].grad
+        if isinstance(p, DTensor):  # an expert shard: every rank's tokens already contributed
+            assert p.grad.placements == p.placements
+            torch.testing.assert_close(p.grad.to_local(), ref_grad[rank * n_local:(rank + 1) * n_local], rtol=RTOL, atol=ATOL)
+        else:  # dense (router, shared expert): data-parallel, summed over ranks
+            grad = p.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
+
+    plan = style.plans[-1]
+    tokens = xs[rank].shape[0] * xs[rank].shape[1]
+    assert sum(plan.send_counts) == tokens * cfg.num_experts_per_tok
+    sent = torch.tensor([sum(plan.send_counts), sum(plan.local_counts)])
+    dist.all_reduce(sent)
+    total_routed = sum(x.shape[0] * x.shape[1] for x in xs) * cfg.num_experts_per_tok
+    assert sent.tolist() == [total_routed, total_routed]  # conserved: every routed copy is run once
+    row = cfg.hidden_size * 4
+    assert fwd.get_comm_counts() == {"all_to_all": 3}  # counts, dispatch, combine
+    assert fwd.get_comm_bytes() == {
+        "all_to_all": cfg.num_experts * 8 + sum(plan.send_counts) * row + sum(plan.recv_counts) * row
+    }
+    assert bwd.get_comm_counts() == {"all_to_all": 2}, bwd.get_comm_counts()  # the two reverses
+    assert bwd.get_comm_bytes() == {"all_to_all": sum(plan.send_counts) * row + sum(plan.recv_counts) * row}
+    return {"worst": worst, "skew": skew, "empty": empty >= 0, "received": sum(plan.recv_counts)}
+
+
+def _model_case(rank: int, world: int, seed: int) -> float:
+    """The tiny MoE model with every layer's experts over ep ranks, 3 AdamW steps, each rank its
+    own batch; the reference is one process averaging the ranks' losses."""
+    import torch.distributed as dist
+
+    from hp_dtensor import DTensor, init_device_mesh
+    from hp_ep import ExpertParallel
+    from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM, tiny_moe_config
+    from hp_tp import parallelize_module
+
+    cfg = tiny_moe_config(vocab_size=64, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                          moe_intermediate_size=16, shared_expert_intermediate_size=16, chunk_size=8,
+                          router_aux_loss_coef=0.1)
+    torch.manual_seed(seed)
+    ref = Qwen3_5MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    for layer in model.model.layers:
+        parallelize_module(layer.mlp, mesh, {"experts": ExpertParallel()})
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    n_local = cfg.num_experts // world
+    worst = 0.0
+    for _ in range(3):
+        batches = [torch.randint(0, cfg.vocab_size, (2, 12), generator=gen) for _ in range(world)]
+        ref_loss = sum(ref.loss(ref(b), b) for b in batches) / world
+        ref_loss.backward()
+        loss = model.loss(model(batches[rank]), batches[rank])
+        (loss / world).backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total / world, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if isinstance(p, DTensor):
+                torch.testing.assert_close(p.grad.to_local(), q.grad[rank * n_local:(rank + 1) * n_local],
+                                           rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            else:
+                dist.all_reduce(p.grad)  # data-parallel gradient sum of the dense parameters
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            mine = p.to_local() if isinstance(p, DTensor) else p
+            want = q[rank * n_local:(rank + 1) * n_local] if isinstance(p, DTensor) else q
+            torch.testing.assert_close(mine, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+            worst = max(worst, (mine - want).abs().max().item())
+    return worst
+
+
+def _bad_inputs(rank: int, world: int) -> list[str]:
+    from hp_dtensor import init_device_mesh
+    from hp_ep import ExpertParallel
+    from hp_models.qwen3_5_moe import SparseMoeBlock, tiny_moe_config
+    from hp_protocols import JobConfig
+    from hp_tp import parallelize_module
+
+    messages = []
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    block = SparseMoeBlock(tiny_moe_config(num_experts=5, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=f"num_experts 5 is not divisible by the ep mesh size {world}") as e:
+        parallelize_module(block, mesh, {"experts": ExpertParallel()})
+    messages.append(str(e.value))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(top_k\) 9 must be between 1 and num_experts 8") as e:
+        tiny_moe_config(num_experts_per_tok=9)
+    messages.append(str(e.value))
+    job: dict[str, dict[str, object]] = {"parallelism": {"tensor_parallel": 1, "expert_parallel": 3}}
+    with pytest.raises(ValueError, match=r"expert_parallel 3 must divide dp_shard\*cp\*tp") as e:
+        JobConfig.from_dict(job).resolve(world)
+    messages.append(str(e.value))
+    job = {"parallelism": {"expert_parallel": world, "moe_token_dispatcher_type": "alltoall_deredundancy",
+                           "npu_nums_per_device": 8}}
+    with pytest.raises(ValueError, match=rf"needs expert_parallel \({world}\) >= npu_nums_per_device \(8\)") as e:
+        JobConfig.from_dict(job).resolve(world)
+    messages.append(str(e.value))
+    return messages
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_matches_one_process(world, pool2, pool4) -> None:
+    pool = pool2 if world == 2 else pool4
+    rng = random.Random(world)
+    stats = [pool.run(_layer_case, rng.randrange(1 << 30))[0] for _ in range(LAYER_CASES[world])]
+    assert any(s["skew"] for s in stats) and any(s["empty"] for s in stats)
+    print(f"\nep={world}: {len(stats)} generated MoE-layer cases ({sum(s['skew'] for s in stats)} skewed to one "
+          f"expert, {sum(s['empty'] for s in stats)} with a rank holding no tokens); worst |out diff| "
+          f"{max(s['worst'] for s in stats):.2e}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_three_adamw_steps_match_one_process(world, pool2, pool4) -> None:
+    pool = pool2 if world == 2 else pool4
+    worst = max(pool.run(_model_case, 7 + world))
+    print(f"\nep={world}: tiny MoE model, 3 AdamW steps equal one process; worst |param diff| {worst:.2e}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_same_error_on_every_rank(world, pool2, pool4) -> None:
+    pool = pool2 if world == 2 else pool4
+    messages = pool.run(_bad_inputs)
+    assert all(m == messages[0] for m in messages)
+
+
+def test_mindspore_is_refused_naming_the_feature(monkeypatch) -> None:
+    import hp_dtensor.platform as platform
+    from hp_dtensor.platform import package_backend
+
+    monkeypatch.setattr(platform, "platform_name", lambda: "mindspore")  # as if MindSpore were selected
+    package_backend.cache_clear()
+    try:
+        with pytest.raises(NotImplementedError, match=r"expert parallelism \(ExpertParallel\) is not supported on the "
+                                                      r"mindspore backend yet"):
+            from hp_ep.primitives import ep_primitives
+
+            ep_primitives()
+    finally:
+        package_backend.cache_clear()
