@@ -37,7 +37,7 @@ stage "building the wheels"
 rm -rf dist
 ./pants --filter-target-type=python_distribution package ::
 wheels=(dist/*.whl)
-[[ "${#wheels[@]}" -eq 7 ]] || { ls dist >&2; fail "expected 7 wheels, got ${#wheels[@]}"; }
+[[ "${#wheels[@]}" -eq 10 ]] || { ls dist >&2; fail "expected 10 wheels, got ${#wheels[@]}"; }
 whl() { local f=(dist/"$1"-*.whl); echo "${root}/${f[0]}"; }
 
 stage "wheel metadata"
