@@ -3,15 +3,18 @@
 """The umbrella re-exports the same objects the packages define."""
 
 import hp_dtensor
+import hp_ep
 import hp_fsdp
 import hp_tp
 import hyper_parallel
 
 
 def test_umbrella_exports_are_the_package_objects() -> None:
+    packages = (hp_tp, hp_fsdp, hp_ep, hp_dtensor)
     for name in hyper_parallel.__all__:
-        source = hp_tp if name in hp_tp.__all__ else hp_fsdp if name in hp_fsdp.__all__ else hp_dtensor
-        assert getattr(hyper_parallel, name) is getattr(source, name), name
+        sources = [p for p in packages if name in p.__all__]
+        assert sources, f"{name} is exported by the umbrella but by none of {[p.__name__ for p in packages]}"
+        assert getattr(hyper_parallel, name) is getattr(sources[0], name), name
 
 
 def test_seven_styles_are_parallel_styles() -> None:
