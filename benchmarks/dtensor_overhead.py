@@ -23,7 +23,9 @@ from hp_dtensor.testing import RankPool
 REPEATS = 7
 
 
-def _time_us(fn: Callable[[], Any], iters: int) -> float:
+def time_us(fn: Callable[[], Any], iters: int) -> float:
+    """Microseconds per call of ``fn``: the median of ``REPEATS`` timed loops, each started
+    together on every rank (a barrier) so that collectives inside ``fn`` meet."""
     import torch.distributed as dist
 
     samples = []
@@ -110,8 +112,8 @@ def _bench(rank: int, world: int) -> list[tuple[str, float, float]]:
             for fn in (ours[name], theirs[name]):  # warm caches (sharding decisions, plans)
                 for _ in range(5):
                     fn()
-            t_ours = _time_us(ours[name], iters)
-            t_theirs = _time_us(theirs[name], iters)
+            t_ours = time_us(ours[name], iters)
+            t_theirs = time_us(theirs[name], iters)
             rows.append((name, t_ours, t_theirs))
     return rows
 

@@ -19,28 +19,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from dtensor_overhead import REPEATS, time_us
+
 from hp_dtensor.testing import RankPool
 
-REPEATS = 7
 SIZES = (1, 64, 1024, 16384, 262144, 1048576)  # float32 elements per rank before the collective
-
-
-def _time_us(fn: Callable[[], Any], iters: int) -> float:
-    import torch.distributed as dist
-
-    samples = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t0) / iters * 1e6)
-    return statistics.median(samples)
 
 
 def _iters(numel: int) -> int:
@@ -71,7 +58,7 @@ def _collectives(rank: int, world: int) -> list[tuple[str, int, int, float]]:
             cases = _cases(dist, group, n, numel, x, padded, out_list, scattered, a2a_out)
             for kind, (fn, elements) in cases.items():
                 fn()
-                rows.append((kind, n, int(elements * 4), _time_us(fn, _iters(numel))))
+                rows.append((kind, n, int(elements * 4), time_us(fn, _iters(numel))))
     return rows
 
 
@@ -117,7 +104,7 @@ def _crossover(rank: int, world: int) -> list[tuple[int, str, str, float, float]
             kinds[name] = "+".join(plan_redistribute((2, 2), shape, src, dst).collectives())
             d = DTensor.from_local(local, mesh, list(src), shape=shape, stride=(8, 1))
             d.redistribute(mesh, list(dst))
-            timings[name] = _time_us(partial(d.redistribute, mesh, list(dst)), _iters(rows_n * 8))
+            timings[name] = time_us(partial(d.redistribute, mesh, list(dst)), _iters(rows_n * 8))
         set_cost_model(CostModel())
         rows.append((rows_n * 8, kinds["latency-aware"], kinds["bytes-only"], timings["latency-aware"], timings["bytes-only"]))
     return rows
