@@ -87,14 +87,12 @@ class ContextParallel:
     def gather_chunks(self, per_chunk: Tensor) -> Tensor:
         """Small per-chunk values of every rank in sequence order: ``per_chunk`` stacks one entry
         per chunk this rank holds (dim 0, storage order); returns (n_chunks, ...) with entry ``c``
-        belonging to chunk ``c`` of the sequence.  One all-gather over the CP group;
-        differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
+        belonging to chunk ``c`` of the sequence.  One all-gather per CP mesh dim; differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
         recurrent state's transition)."""
-        if self.mesh.ndim != 1:
-            raise NotImplementedError(
-                "gather_chunks on a 2-D (hybrid) CP mesh; use colossal or ulysses for recurrent layers"
-            )
-        gathered = self._prims.all_gather(per_chunk, self.mesh.get_group(0), self.cp)
+        gathered = per_chunk
+        # innermost dim first: on a (ring, ulysses) mesh the rows then come in row-major rank order
+        for dim in reversed(range(self.mesh.ndim)):
+            gathered = self._prims.all_gather(gathered, self.mesh.get_group(dim), self.mesh.shape[dim])
         per_rank = len(chunk_ids(0, self.cp))
         where = {c: r * per_rank + i for r in range(self.cp) for i, c in enumerate(chunk_ids(r, self.cp))}
         return self._prims.reorder(gathered, [where[c] for c in range(len(where))])
@@ -166,12 +164,17 @@ class ContextParallel:
             peers = (self.mesh.group_ranks(0)[self.rank],)
         return ring_plan(my_group if groups > 1 else 0, peers, [held(g) for g in range(groups)])
 
-    # ----- loss -----
+    # ----- loss and gradients -----
+    def sum_over(self, t: Tensor) -> Tensor:
+        """The sum of ``t`` over the CP group (one all-reduce per CP mesh dim); the gradient
+        passes through unchanged.  Also what sums the gradients of parameters that are
+        replicated over the CP ranks when nothing else (FSDP over ``dp_shard * cp``) does."""
+        for dim in range(self.mesh.ndim):
+            t = self._prims.sum_over(t, self.mesh.get_group(dim), self.mesh.shape[dim])
+        return t
+
     def reduce_loss(self, loss_sum: Tensor, token_count: Tensor) -> Tensor:
         """The mean loss over the whole sequence from each rank's summed loss and counted
-        (non-ignored) tokens: sum over CP ranks of both, then divide."""
-        total, count = loss_sum, token_count
-        for dim in range(self.mesh.ndim):
-            group, n = self.mesh.get_group(dim), self.mesh.shape[dim]
-            total, count = self._prims.sum_over(total, group, n), self._prims.sum_over(count, group, n)
-        return total / count
+        (non-ignored) tokens: sum over CP ranks of both, then divide.  Ranks may count
+        different numbers of tokens (ignored labels, document ends)."""
+        return self.sum_over(loss_sum) / self.sum_over(token_count)
