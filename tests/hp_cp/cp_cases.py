@@ -233,3 +233,51 @@ def run_against_torch_ring(rank: int, world: int, case_cp: int, batch: int, head
         "torch_vs_sdpa": {n: rel(theirs[n], full[n]) for n in ours},
         "ours_vs_sdpa": {n: rel(ours[n], full[n]) for n in ours},
     }
+
+
+def run_ring_beside_p2p(rank: int, world: int, seed: int) -> dict:
+    """Ring attention at cp = world while another component's point-to-point message is in flight
+    on the default group with the ring's own tag (a pipeline stage waiting for activations): the
+    ring runs on its own process group, so neither takes the other's message."""
+    import torch.distributed as dist
+
+    mesh = cp_mesh(world, world, CPMethod.COLOSSAL, None)
+    cp = ContextParallel(mesh, ContextParallelConfig(degree=world))
+    g = torch.Generator().manual_seed(seed)
+    s = 2 * world * 3
+    q, k, v, dout = (torch.randn(1, 2, s, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    ref = reference(q, k, v, dout, None)
+    inbox = torch.zeros(3, dtype=torch.float64)
+    pending = dist.irecv(inbox, (rank - 1) % world, tag=7100)  # posted before the ring runs
+    lq, lk, lv = (cp.split(x, dim=2).requires_grad_(True) for x in (q, k, v))
+    out = cp.attention(lq, lk, lv, seq_len=s)
+    out.backward(cp.split(dout, dim=2))
+    dist.send(torch.full((3,), float(rank), dtype=torch.float64), (rank + 1) % world, tag=7100)
+    assert pending is not None
+    pending.wait()
+    errs = {n: float((got.detach() - cp.split(want, dim=2)).abs().max())
+            for n, got, want in zip(("out", "dq", "dk", "dv"), (out, lq.grad, lk.grad, lv.grad), ref)}
+    return {"errs": errs, "inbox": inbox.tolist(), "expected": [float((rank - 1) % world)] * 3}
+
+
+def run_reduce_loss_uneven(rank: int, world: int, case_cp: int, seed: int) -> dict:
+    """``reduce_loss`` with a different number of counted tokens on every rank (some none): the
+    mean over the whole sequence and its gradient, against one process."""
+    mesh = cp_mesh(world, case_cp, CPMethod.COLOSSAL, None)
+    cp = ContextParallel(mesh, ContextParallelConfig(degree=case_cp))
+    g = torch.Generator().manual_seed(seed)
+    s = 2 * case_cp * 4
+    losses = torch.rand(2, s, generator=g, dtype=torch.float64)
+    keep = torch.rand(2, s, generator=g) < 0.6
+    n = s // (2 * case_cp)
+    keep[:, :n] = False  # CP rank 0's chunks (the first and the last) count no token at all
+    keep[:, s - n:] = False
+    ref_x = losses.clone().requires_grad_(True)
+    ref = (ref_x * keep).sum() / keep.sum()
+    ref.backward()
+    x = cp.split(losses, dim=1).requires_grad_(True)
+    mine = cp.split(keep, dim=1)
+    loss = cp.reduce_loss((x * mine).sum(), mine.sum().to(x.dtype))
+    loss.backward()
+    return {"count": int(mine.sum()), "err": abs(loss.item() - ref.item()),
+            "grad_err": float((x.grad - cp.split(ref_x.grad, dim=1)).abs().max())}

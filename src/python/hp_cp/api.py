@@ -30,13 +30,23 @@ from hp_cp.primitives import CPPrimitives, Tensor
 from hp_dtensor import DeviceMesh
 
 
+def _ring_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every ring of the mesh ``mesh`` was sliced from (its dim 0 is the ring), in the same order
+    on every rank: creating a process group is collective over all ranks."""
+    root = mesh.get_root_mesh()
+    if root is mesh or mesh.mesh_dim_names is None:
+        return mesh.layout.groups_along(0)
+    return root.layout.groups_along(root.layout.dim_index(mesh.mesh_dim_names[0]))
+
+
 def _primitives() -> CPPrimitives:
     return cast(CPPrimitives, framework_module("context parallelism").CP)
 
 
 class ContextParallel:
     """Context parallelism over ``mesh`` with ``config`` (validated here, on every rank, before
-    any communication)."""
+    any communication).  Constructing it is collective over every rank when the ring has more
+    than one participant: it creates the ring's own process groups."""
 
     def __init__(self, mesh: DeviceMesh, config: ContextParallelConfig) -> None:
         config.validate()
@@ -62,6 +72,12 @@ class ContextParallel:
         assert coord is not None, "this rank is not part of the CP mesh"
         self.rank = coord[0] * mesh.shape[1] + coord[1] if mesh.ndim == 2 else coord[0]
         self._prims = _primitives()
+        # The ring's point-to-point traffic runs on a process group of its own, never on the
+        # default group or a mesh dim's group shared with other collectives, so its messages
+        # cannot be taken for a pipeline stage's (or anyone's) on the same ranks.
+        self._ring_group = None
+        if config.degree // u > 1:
+            self._ring_group = self._prims.p2p_group(_ring_groups(mesh), self.mesh.group_ranks(0))
 
     # ----- inputs -----
     def segments(self, seq_len: int) -> tuple[Segment, ...]:
@@ -128,7 +144,8 @@ class ContextParallel:
             if hkv % u != 0:  # too few key/value heads to split: replicate them up to the query heads
                 k, v = prims.repeat_heads(k, h // hkv), prims.repeat_heads(v, h // hkv)
             q, k, v = (prims.all_to_all(x, 1, 2, group, u) for x in (q, k, v))
-        out = prims.ring_attention(q, k, v, self._plan(seq_len), scale, doc_ids, self.config.async_comm)
+        out = prims.ring_attention(q, k, v, self._plan(seq_len), scale, doc_ids, self.config.async_comm,
+                                   self._ring_group)
         if u > 1:
             out = prims.all_to_all(out, 2, 1, self.mesh.get_group(self.mesh.ndim - 1), u)
         return out
