@@ -8,7 +8,14 @@ bad input."""
 from __future__ import annotations
 
 import pytest
-from cp_cases import generate_cases, run_attention_case, run_bad_input, run_largest_tensor
+from cp_cases import (
+    generate_cases,
+    run_attention_case,
+    run_bad_input,
+    run_largest_tensor,
+    run_reduce_loss_uneven,
+    run_ring_beside_p2p,
+)
 
 from hp_cp import COMPRESSION_REQUIRED, CPMethod
 from hp_dtensor.testing import RankPool, rank_pool_fixture
@@ -75,3 +82,22 @@ def test_bad_input_raises_the_same_error_on_every_rank(pool4: RankPool, what: st
     assert got_kind == kind, results[0]
     for w in words:
         assert w in message, (w, message)
+
+
+def test_ring_runs_on_its_own_group_beside_other_p2p(pool4: RankPool) -> None:
+    for seed in range(3):
+        for r in pool4.run(run_ring_beside_p2p, seed):
+            assert r["inbox"] == r["expected"], r
+            assert max(r["errs"].values()) < 1e-12, r
+    print(f"ring beside a pending default-group message with its tag: 3 cases, worst error {max(r['errs'].values()):.1e}")
+
+
+def test_reduce_loss_with_uneven_token_counts(pool4: RankPool) -> None:
+    counts = []
+    for cp_degree, seed in [(2, 1), (4, 2), (4, 3), (2, 4)]:
+        results = pool4.run(run_reduce_loss_uneven, cp_degree, seed)
+        for r in results:
+            assert r["err"] < 1e-14 and r["grad_err"] < 1e-15, r
+        counts.append([r["count"] for r in results])
+    assert all(0 in c and len(set(c)) > 1 for c in counts), counts
+    print(f"reduce_loss: 4 cases, counted tokens per rank {counts}")

@@ -85,8 +85,8 @@ def test_gated_delta_net_under_cp_equals_one_process(pool4: RankPool) -> None:
     for case in cases:
         for r in pool4.run(run_case, *case):
             for name, err in r["errs"].items():
-                # the delta rule runs in fp32 in both (the layer's own choice): fp32 agreement
-                assert err < 2e-5, (case, name, err)
+                # a float64 layer computes the delta rule in float64 in both
+                assert err < 1e-10, (case, name, err)
                 worst = max(worst, err)
             assert r["fwd"] == {"all_gather": 2}, (case, r["fwd"])
             assert r["bwd"] == {"reduce_scatter": 2}, (case, r["bwd"])

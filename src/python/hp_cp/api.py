@@ -30,13 +30,23 @@ from hp_cp.primitives import CPPrimitives, Tensor
 from hp_dtensor import DeviceMesh
 
 
+def _ring_groups(mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every ring of the mesh ``mesh`` was sliced from (its dim 0 is the ring), in the same order
+    on every rank: creating a process group is collective over all ranks."""
+    root = mesh.get_root_mesh()
+    if root is mesh or mesh.mesh_dim_names is None:
+        return mesh.layout.groups_along(0)
+    return root.layout.groups_along(root.layout.dim_index(mesh.mesh_dim_names[0]))
+
+
 def _primitives() -> CPPrimitives:
     return cast(CPPrimitives, framework_module("context parallelism").CP)
 
 
 class ContextParallel:
     """Context parallelism over ``mesh`` with ``config`` (validated here, on every rank, before
-    any communication)."""
+    any communication).  Constructing it is collective over every rank when the ring has more
+    than one participant: it creates the ring's own process groups."""
 
     def __init__(self, mesh: DeviceMesh, config: ContextParallelConfig) -> None:
         config.validate()
@@ -62,6 +72,12 @@ class ContextParallel:
         assert coord is not None, "this rank is not part of the CP mesh"
         self.rank = coord[0] * mesh.shape[1] + coord[1] if mesh.ndim == 2 else coord[0]
         self._prims = _primitives()
+        # The ring's point-to-point traffic runs on a process group of its own, never on the
+        # default group or a mesh dim's group shared with other collectives, so its messages
+        # cannot be taken for a pipeline stage's (or anyone's) on the same ranks.
+        self._ring_group = None
+        if config.degree // u > 1:
+            self._ring_group = self._prims.p2p_group(_ring_groups(mesh), self.mesh.group_ranks(0))
 
     # ----- inputs -----
     def segments(self, seq_len: int) -> tuple[Segment, ...]:
@@ -87,14 +103,12 @@ class ContextParallel:
     def gather_chunks(self, per_chunk: Tensor) -> Tensor:
         """Small per-chunk values of every rank in sequence order: ``per_chunk`` stacks one entry
         per chunk this rank holds (dim 0, storage order); returns (n_chunks, ...) with entry ``c``
-        belonging to chunk ``c`` of the sequence.  One all-gather over the CP group;
-        differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
+        belonging to chunk ``c`` of the sequence.  One all-gather per CP mesh dim; differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
         recurrent state's transition)."""
-        if self.mesh.ndim != 1:
-            raise NotImplementedError(
-                "gather_chunks on a 2-D (hybrid) CP mesh; use colossal or ulysses for recurrent layers"
-            )
-        gathered = self._prims.all_gather(per_chunk, self.mesh.get_group(0), self.cp)
+        gathered = per_chunk
+        # innermost dim first: on a (ring, ulysses) mesh the rows then come in row-major rank order
+        for dim in reversed(range(self.mesh.ndim)):
+            gathered = self._prims.all_gather(gathered, self.mesh.get_group(dim), self.mesh.shape[dim])
         per_rank = len(chunk_ids(0, self.cp))
         where = {c: r * per_rank + i for r in range(self.cp) for i, c in enumerate(chunk_ids(r, self.cp))}
         return self._prims.reorder(gathered, [where[c] for c in range(len(where))])
@@ -130,7 +144,8 @@ class ContextParallel:
             if hkv % u != 0:  # too few key/value heads to split: replicate them up to the query heads
                 k, v = prims.repeat_heads(k, h // hkv), prims.repeat_heads(v, h // hkv)
             q, k, v = (prims.all_to_all(x, 1, 2, group, u) for x in (q, k, v))
-        out = prims.ring_attention(q, k, v, self._plan(seq_len), scale, doc_ids, self.config.async_comm)
+        out = prims.ring_attention(q, k, v, self._plan(seq_len), scale, doc_ids, self.config.async_comm,
+                                   self._ring_group)
         if u > 1:
             out = prims.all_to_all(out, 2, 1, self.mesh.get_group(self.mesh.ndim - 1), u)
         return out
@@ -166,12 +181,17 @@ class ContextParallel:
             peers = (self.mesh.group_ranks(0)[self.rank],)
         return ring_plan(my_group if groups > 1 else 0, peers, [held(g) for g in range(groups)])
 
-    # ----- loss -----
+    # ----- loss and gradients -----
+    def sum_over(self, t: Tensor) -> Tensor:
+        """The sum of ``t`` over the CP group (one all-reduce per CP mesh dim); the gradient
+        passes through unchanged.  Also what sums the gradients of parameters that are
+        replicated over the CP ranks when nothing else (FSDP over ``dp_shard * cp``) does."""
+        for dim in range(self.mesh.ndim):
+            t = self._prims.sum_over(t, self.mesh.get_group(dim), self.mesh.shape[dim])
+        return t
+
     def reduce_loss(self, loss_sum: Tensor, token_count: Tensor) -> Tensor:
         """The mean loss over the whole sequence from each rank's summed loss and counted
-        (non-ignored) tokens: sum over CP ranks of both, then divide."""
-        total, count = loss_sum, token_count
-        for dim in range(self.mesh.ndim):
-            group, n = self.mesh.get_group(dim), self.mesh.shape[dim]
-            total, count = self._prims.sum_over(total, group, n), self._prims.sum_over(count, group, n)
-        return total / count
+        (non-ignored) tokens: sum over CP ranks of both, then divide.  Ranks may count
+        different numbers of tokens (ignored labels, document ends)."""
+        return self.sum_over(loss_sum) / self.sum_over(token_count)

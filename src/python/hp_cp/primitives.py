@@ -29,12 +29,18 @@ class CPPrimitives(Protocol):
 
     def ring_attention(
         self, q: Tensor, k: Tensor, v: Tensor, plan: RingPlan, scale: float, doc_ids: Tensor | None,
-        async_comm: bool,
+        async_comm: bool, group: Group | None,
     ) -> Tensor:
         """q (B, H, S_local, D), k/v (B, Hkv, S_local, D) -> (B, H, S_local, D); differentiable.
         Causal by global position, restricted to one document where ``doc_ids`` (B, S_global)
         is given; ``plan.size - 1`` key/value exchanges forward, the same plus ``plan.size``
-        gradient exchanges backward."""
+        gradient exchanges backward, all on ``group`` (None only when ``plan.size == 1``)."""
+        ...
+
+    def p2p_group(self, all_groups: Sequence[tuple[int, ...]], mine: tuple[int, ...]) -> Group:
+        """A process group for point-to-point traffic over ``mine``, distinct from every other
+        group: each of ``all_groups`` is created on every rank in the same order (collective),
+        once per process."""
         ...
 
     def all_to_all(self, t: Tensor, split_dim: int, concat_dim: int, group: Group, n: int) -> Tensor:

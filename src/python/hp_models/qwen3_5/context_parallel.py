@@ -9,18 +9,27 @@ all-gather gives every chunk's pair, each rank scans them in sequence order (sma
 the state its chunks start from, then finishes its chunks.  Packed documents (EOD data) reset
 both: the convolution never reads across a document start and the state restarts at zero there.
 Backward is autograd through the same steps (the all-gather's dual sums the gradients back).
+
+``parallelize_qwen3_5_cp`` applies context parallelism to a whole built model (after the TP plan
+when there is one): full-attention layers run through ``ContextParallel.attention`` (ring,
+ulysses or hybrid), Gated DeltaNet layers through ``gated_delta_net_cp``, rotary positions come
+from the load-balanced split (restarting per document with packed data).  The model's one-process
+code path is left as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hp_cp import ContextParallel, document_ids
-from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state
-from hp_models.qwen3_5.model import GatedDeltaNet, local
+from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state, upcast
+from hp_models.qwen3_5.model import Attention, GatedDeltaNet, Qwen3_5ForCausalLM, TextModel, local
 
 
 def _conv_chunk(xin: torch.Tensor, doc: torch.Tensor, weight: torch.Tensor, halo: int) -> torch.Tensor:
@@ -72,15 +81,16 @@ def gated_delta_net_cp(
         pos = torch.arange(s.start - halo, s.end, device=x.device).clamp(min=0)
         conv.append(_conv_chunk(torch.cat([prev, proj[:, o:o + s.length]], dim=1), doc[:, pos], weight, halo))
     mixed = torch.cat(conv, dim=1)
-    key_dim = layer.in_proj_q.out_features
+    key_dim = local(layer.conv_q).shape[0]  # this rank's key channels (all of them without TP)
     dk, dv = layer.k_head_dim, layer.v_head_dim
     q = mixed[..., :key_dim].reshape(b, s_local, -1, dk)
     k = mixed[..., key_dim:2 * key_dim].reshape(b, s_local, -1, dk)
     v = mixed[..., 2 * key_dim:].reshape(b, s_local, -1, dv)
     z = layer.in_proj_z(x).reshape(b, s_local, -1, dv)
     beta = layer.in_proj_b(x).sigmoid()
-    g = -local(layer.A_log).float().exp() * F.softplus(layer.in_proj_a(x).float() + local(layer.dt_bias))
+    g = -upcast(local(layer.A_log)).exp() * F.softplus(upcast(layer.in_proj_a(x)) + local(layer.dt_bias))
     hv = v.shape[2]
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # the recurrence's dtype
 
     def run(row: int, lo: int, hi: int, vals: torch.Tensor, init: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         sl = slice(lo, hi)
@@ -90,7 +100,7 @@ def gated_delta_net_cp(
         )
 
     # each chunk's state map S_end = P S_start + Q (P = 0 where a document starts inside)
-    eye = torch.eye(dk, device=x.device).expand(1, hv, dk, dk)
+    eye = torch.eye(dk, dtype=acc, device=x.device).expand(1, hv, dk, dk)
     maps, plans = [], []
     for o, s in zip(offsets, segments):
         rows = []
@@ -112,7 +122,7 @@ def gated_delta_net_cp(
     every = cp.gather_chunks(torch.stack(maps))  # (2*cp, B, Hv, Dk, Dk + Dv), sequence order
 
     # the scan over chunks in sequence order, to the state each of this rank's chunks starts from
-    starts = [torch.zeros(b, hv, dk, dv, device=x.device)]
+    starts = [torch.zeros(b, hv, dk, dv, dtype=acc, device=x.device)]
     for c in range(max(chunks)):
         p_c, q_c = every[c][..., :dk], every[c][..., dk:]
         starts.append(p_c @ starts[-1] + q_c)
@@ -129,3 +139,95 @@ def gated_delta_net_cp(
         outs.append(torch.cat(rows))
     normed = layer.norm(torch.cat(outs, dim=1), z).reshape(b, s_local, -1)
     return layer.out_proj(normed)
+
+
+@dataclass
+class _Batch:
+    """What the token mixers of the forward in progress need beyond their input."""
+
+    seq_len: int = 0
+    actual_seq_len: Sequence[Sequence[int]] | None = None
+
+
+def parallelize_qwen3_5_cp(model: Qwen3_5ForCausalLM, cp: ContextParallel) -> Qwen3_5ForCausalLM:
+    """Apply context parallelism to ``model`` in place (after ``parallelize_qwen3_5_tp`` when the
+    model is also tensor parallel, whose ``sequence_parallel`` must then be off); returns it.
+
+    The model's forward then takes this rank's share of the batch, ``cp.split(input_ids, dim=1)``
+    (B, S / cp), and optionally ``actual_seq_len=`` (cumulative document ends per row of the
+    whole sequence, the compressed EOD mask; required when the CP config says EOD) and returns
+    this rank's share of the logits.  Split the labels the same way and reduce the loss with
+    ``cp_cross_entropy``.  Parameters stay replicated over the CP ranks and each rank's
+    gradient is its tokens' share: FSDP over ``dp_shard * cp`` sums them, or
+    ``sum_cp_gradients`` without FSDP."""
+    batch = _Batch()
+    text: TextModel = model.model
+
+    def causal_lm_forward(self: Qwen3_5ForCausalLM, input_ids: torch.Tensor, *,
+                          actual_seq_len: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        batch.seq_len = input_ids.shape[1] * cp.cp
+        batch.actual_seq_len = actual_seq_len
+        try:
+            return self.lm_head(self.model(input_ids))  # type: ignore[no-any-return]
+        finally:
+            batch.actual_seq_len = None
+
+    def text_forward(self: TextModel, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if batch.actual_seq_len is not None:
+            pos = cp.eod_position_ids(batch.actual_seq_len, batch.seq_len, input_ids)
+        else:
+            pos = torch.tensor([cp.positions(batch.seq_len)], dtype=torch.long, device=input_ids.device)
+        cos, sin = self.rotary_emb.at(pos, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    def attention_forward(self: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v, gate = self.project(x, cos, sin)
+        o = cp.attention(q, k, v, seq_len=batch.seq_len, actual_seq_len=batch.actual_seq_len)
+        return self.finish(o, gate)
+
+    def delta_forward(self: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+        return gated_delta_net_cp(self, x, cp, batch.seq_len, batch.actual_seq_len)
+
+    # The forwards are bound per instance: hooks (the TP plan's) still run around them, and the
+    # class's forward, the one-process path, is untouched.
+    _bind(model, causal_lm_forward)
+    _bind(text, text_forward)
+    for layer in text.layers:
+        if layer.layer_type == "linear_attention":
+            _bind(layer.linear_attn, delta_forward)
+        else:
+            _bind(layer.self_attn, attention_forward)
+    return model
+
+
+def _bind(module: Any, forward: Any) -> None:
+    object.__setattr__(module, "forward", types.MethodType(forward, module))
+
+
+def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, cp: ContextParallel,
+                     ignore_index: int = -100) -> torch.Tensor:
+    """The mean next-token loss over the whole sequence from this rank's share of the logits
+    (B, S / cp, V) and labels (B, S / cp), shifted before the split: each rank sums its tokens'
+    losses and counts its non-ignored labels, both summed over the CP group."""
+    loss_sum = F.cross_entropy(upcast(local(logits).flatten(0, 1)), labels.flatten(), ignore_index=ignore_index,
+                               reduction="sum")
+    count = (labels != ignore_index).sum().to(loss_sum.dtype)
+    return cp.reduce_loss(loss_sum, count)  # type: ignore[no-any-return]
+
+
+def sum_cp_gradients(params: Iterable[torch.nn.Parameter], cp: ContextParallel) -> None:
+    """Sum the gradients of parameters replicated over the CP ranks (each rank's holds its
+    tokens' share) in place, in one all-reduce per CP mesh dim; for a model without FSDP over
+    ``dp_shard * cp``.  DTensor gradients (TP) are summed shard by shard."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    with torch.no_grad():
+        flat = cp.sum_over(torch.cat([g.reshape(-1) for g in grads]))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

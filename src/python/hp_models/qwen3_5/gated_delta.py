@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """The dtype norms and the recurrence compute in: fp32 for fp32 and lower precision, fp64
+    kept (a float64 model computes in float64 throughout, for references)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -26,8 +32,8 @@ def _heads_first(
     if n_rep > 1:
         q = q.repeat_interleave(n_rep, dim=2)
         k = k.repeat_interleave(n_rep, dim=2)
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()
+    q, k, v = (upcast(x.transpose(1, 2)) for x in (q, k, v))
+    beta, g = upcast(beta.transpose(1, 2)).to(q.dtype), upcast(g.transpose(1, 2)).to(q.dtype)
     q = l2_normalize(q) * q.shape[-1] ** -0.5
     return q, l2_normalize(k), v, g, beta
 
@@ -46,7 +52,7 @@ def chunk_gated_delta_rule_with_state(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk_size: int = 64,
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``chunk_gated_delta_rule`` starting from ``initial_state`` (B, Hv, Dk, Dv) in fp32 (zero
+    """``chunk_gated_delta_rule`` starting from ``initial_state`` (B, Hv, Dk, Dv) in fp32 (fp64 for a fp64 model) (zero
     when None), also returning the state after the last token.  A sequence cut in pieces gives
     the same outputs when each piece starts from the state the previous one ended with."""
     out_dtype = q.dtype
@@ -82,7 +88,7 @@ def chunk_gated_delta_rule_with_state(
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()
 
-    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.float()
+    state = q.new_zeros(b, h, dk, dv) if initial_state is None else initial_state.to(q.dtype)
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - w[:, :, i] @ state

@@ -18,7 +18,7 @@ from torch import nn
 
 from hp_dtensor import DTensor, Partial
 from hp_models.qwen3_5.config import Qwen3_5Config
-from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule
+from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule, upcast
 from hp_protocols import BaseModel, Module
 
 
@@ -47,9 +47,9 @@ class RMSNorm(Module):
             param.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return (out * (1.0 + upcast(self.weight))).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -62,10 +62,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = local(self.weight, partial_grad=True) * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return (out * F.silu(upcast(gate))).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +94,14 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[None, None]  # (1, 1, S, rotary_dim)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def at(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (B, 1, S, rotary_dim) at explicit positions (B, S): a sequence split over
+        ranks, or packed documents whose positions restart at each document."""
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
 
 class Attention(Module):
     """Gated full attention with GQA, q/k RMS norms over head_dim and partial rotary."""
@@ -110,7 +118,11 @@ class Attention(Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.n_rep = config.num_attention_heads // config.num_key_value_heads
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, S, D), k and v (B, Hkv, S, D) with q/k normed and rotated, and the output
+        gate (B, S, H * D): everything before the attention kernel."""
         b, s = x.shape[0], x.shape[1]
         hd = self.head_dim
         q, gate = self.q_proj(x).view(b, s, -1, 2 * hd).chunk(2, dim=-1)
@@ -118,13 +130,19 @@ class Attention(Module):
         q = local(self.q_norm(q)).transpose(1, 2)
         k = local(self.k_norm(self.k_proj(x).view(b, s, -1, hd))).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, gate
+
+    def finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The attention kernel's output (B, H, S, D), gated and projected back."""
+        b, s = o.shape[0], o.shape[2]
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1) * torch.sigmoid(gate))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v, gate = self.project(x, cos, sin)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        o = o.transpose(1, 2).reshape(b, s, -1) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return self.finish(F.scaled_dot_product_attention(q, k, v, is_causal=True), gate)
 
 
 class GatedDeltaNet(Module):
@@ -181,7 +199,7 @@ class GatedDeltaNet(Module):
         v = self._conv(self.in_proj_v(x), self.conv_v).reshape(b, s, -1, self.v_head_dim)
         z = self.in_proj_z(x).reshape(b, s, -1, self.v_head_dim)
         beta = self.in_proj_b(x).sigmoid()
-        g = -local(self.A_log).float().exp() * F.softplus(self.in_proj_a(x).float() + local(self.dt_bias))
+        g = -upcast(local(self.A_log)).exp() * F.softplus(upcast(self.in_proj_a(x)) + local(self.dt_bias))
         o = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)
         o = self.norm(o, z).reshape(b, s, -1)
         return self.out_proj(o)

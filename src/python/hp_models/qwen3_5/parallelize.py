@@ -10,6 +10,7 @@ head is ever gathered.  ``lm_head`` keeps the vocab sharded for loss parallel.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -46,16 +47,25 @@ def check_tp_size(config: Qwen3_5Config, tp: int) -> None:
 
 
 def parallelize_qwen3_5_tp(
-    model: Any, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    model: Any, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+    context_parallel: int = 1,
 ) -> Any:
     """Apply the plan in place on a 1-D ``tp_mesh``; returns the model.
 
     The model's forward then takes ``input_ids`` replicated on every rank and returns logits as a
     DTensor: ``Shard(-1)`` over the vocab when ``loss_parallel`` (use ``hp_tp.loss_parallel()``
-    for the loss), else ``Replicate()``."""
+    for the loss), else ``Replicate()``.  With ``context_parallel > 1`` the sequence is already
+    split over the CP ranks, so sequence parallelism is ignored with a warning."""
     config: Qwen3_5Config = model.config
     tp = tp_mesh.size()
     check_tp_size(config, tp)
+    if context_parallel > 1 and sequence_parallel:
+        warnings.warn(
+            f"sequence parallel conflicts with context parallel (context_parallel={context_parallel} > 1): "
+            f"sequence_parallel is ignored, activations stay replicated over the tp ranks",
+            UserWarning, stacklevel=2,
+        )
+        sequence_parallel = False
     seq = Shard(1) if sequence_parallel else Replicate()
 
     def norm() -> ParallelStyle:

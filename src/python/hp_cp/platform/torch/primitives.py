@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hp_cp.layout import RingPlan
 from hp_cp.platform.torch.ring import ring_attention
@@ -48,6 +49,11 @@ class _AllGather(torch.autograd.Function):
         return collectives.reduce_scatter(grad.contiguous(), 0, "sum", group, n), None, None
 
 
+# The ring's own process groups, by the full set of rings they were created with (creation is
+# collective, so every rank keeps the same entries).
+_P2P_GROUPS: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], Any]] = {}
+
+
 class TorchCP:
     def take_chunks(self, t: torch.Tensor, dim: int, n_chunks: int, chunks: Sequence[int]) -> torch.Tensor:
         parts = t.chunk(n_chunks, dim=dim) if n_chunks > 1 else (t,)
@@ -61,9 +67,15 @@ class TorchCP:
 
     def ring_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
-        doc_ids: torch.Tensor | None, async_comm: bool,
+        doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
     ) -> torch.Tensor:
-        return ring_attention(q, k, v, plan, scale, doc_ids, async_comm)
+        return ring_attention(q, k, v, plan, scale, doc_ids, async_comm, group)
+
+    def p2p_group(self, all_groups: Sequence[tuple[int, ...]], mine: tuple[int, ...]) -> Any:
+        key = tuple(tuple(g) for g in all_groups)
+        if key not in _P2P_GROUPS:
+            _P2P_GROUPS[key] = {g: dist.new_group(list(g)) for g in key}
+        return _P2P_GROUPS[key][tuple(mine)]
 
     def all_to_all(self, t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int) -> torch.Tensor:
         if n == 1:

@@ -28,12 +28,12 @@ class _Exchange:
     """Send ``out`` to ``dst`` and receive a tensor shaped like it from ``src`` (one counted
     ``send_recv``); ``wait()`` returns what arrived."""
 
-    def __init__(self, out: torch.Tensor, dst: int, src: int, tag: int) -> None:
+    def __init__(self, out: torch.Tensor, dst: int, src: int, tag: int, group: Any) -> None:
         out = out.contiguous()
         self._out = out
         self._buf = torch.empty_like(out)
         record("send_recv", out.numel() * out.element_size(), 2)
-        self._works = [dist.isend(out, dst, tag=tag), dist.irecv(self._buf, src, tag=tag)]
+        self._works = [dist.isend(out, dst, group=group, tag=tag), dist.irecv(self._buf, src, group=group, tag=tag)]
 
     def wait(self) -> torch.Tensor:
         for w in self._works:
@@ -82,7 +82,7 @@ def _fold(t: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
-    doc_ids: torch.Tensor | None, async_comm: bool,
+    doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     acc_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -95,7 +95,7 @@ def _ring_forward(
     for step in range(n):
         pending = None
         if step + 1 < n and async_comm:
-            pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV)
+            pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
         kpos = _positions(plan, plan.source(step), q.device)
         kf, vf = _expand(kv[0], rep).to(acc_dtype), _expand(kv[1], rep).to(acc_dtype)
         for qo, ql, ko, kl, _, _, kind in plan.blocks(step):
@@ -112,14 +112,14 @@ def _ring_forward(
             lse[:, :, qo:qo + ql] = new
         if step + 1 < n:
             if pending is None:
-                pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV)
+                pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
             kv = pending.wait()
     return out, lse
 
 
 def _ring_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, plan: RingPlan, scale: float, doc_ids: torch.Tensor | None, async_comm: bool,
+    lse: torch.Tensor, plan: RingPlan, scale: float, doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rep = q.shape[1] // k.shape[1]
     acc = out.dtype
@@ -133,7 +133,7 @@ def _ring_backward(
     for step in range(n):
         pending = None
         if step + 1 < n and async_comm:
-            pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV)
+            pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
         kpos = _positions(plan, plan.source(step), q.device)
         kf, vf = _expand(kv[0], rep).to(acc), _expand(kv[1], rep).to(acc)
         dk_full = torch.zeros(kf.shape, dtype=acc, device=q.device)
@@ -152,10 +152,10 @@ def _ring_backward(
         if n > 1:
             # the gradient buffer goes on with the keys/values it belongs to; after the last
             # step this hop brings every buffer home
-            dkv = _Exchange(dkv, plan.next_rank, plan.prev_rank, _TAG_DKV).wait()
+            dkv = _Exchange(dkv, plan.next_rank, plan.prev_rank, _TAG_DKV, group).wait()
         if step + 1 < n:
             if pending is None:
-                pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV)
+                pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
             kv = pending.wait()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -164,28 +164,30 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
-        doc_ids: torch.Tensor | None, async_comm: bool,
+        doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
     ) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, plan, scale, doc_ids, async_comm)
+        out, lse = _ring_forward(q, k, v, plan, scale, doc_ids, async_comm, group)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale, ctx.doc_ids, ctx.async_comm = plan, scale, doc_ids, async_comm
+        ctx.plan, ctx.scale, ctx.doc_ids, ctx.async_comm, ctx.group = plan, scale, doc_ids, async_comm, group
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.plan, ctx.scale, ctx.doc_ids,
-                                    ctx.async_comm)
-        return dq, dk, dv, None, None, None, None
+                                    ctx.async_comm, ctx.group)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
-    doc_ids: torch.Tensor | None, async_comm: bool,
+    doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
 ) -> torch.Tensor:
+    """Differentiable ring attention; the exchanges run on ``group`` (the ring's own process
+    group: global ranks ``plan.peers`` address it)."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}")
     if not math.isfinite(scale):
         raise ValueError(f"attention scale must be finite, got {scale}")
-    return _RingAttention.apply(q, k, v, plan, scale, doc_ids, async_comm)  # type: ignore[no-any-return]
+    return _RingAttention.apply(q, k, v, plan, scale, doc_ids, async_comm, group)  # type: ignore[no-any-return]
