@@ -32,10 +32,9 @@ def _tiny():
                            chunk_size=8, router_aux_loss_coef=0.1)
 
 
-def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
+def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool = False) -> dict:
     import torch.distributed as dist
 
-    from hp_dtensor import DTensor
     from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
     from hp_protocols import JobConfig
@@ -53,6 +52,10 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
             p.add_(torch.randn_like(p) * 0.05)
     model = copy.deepcopy(ref)
     styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"])
+    if fsdp:
+        from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
+
+        apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"])
     assert len(styles) == cfg.num_hidden_layers
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -67,16 +70,15 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
             s.clear_plans()
         mine = batches[dp_rank]
         loss = model.loss(model(mine), mine)
-        (loss / dims.dp_shard).backward()
+        (loss if fsdp else loss / dims.dp_shard).backward()  # FSDP means over the data-parallel ranks
         total = loss.detach().clone()
         dist.all_reduce(total, group=dp_group)
         torch.testing.assert_close(total / dims.dp_shard, ref_loss.detach(), rtol=RTOL, atol=ATOL)
         worst["loss"] = max(worst["loss"], abs((total / dims.dp_shard - ref_loss).item()))
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            assert isinstance(p, DTensor), name
-            # data-parallel sum: dense parameters over the dense mesh's fsdp dim, experts over efsdp
-            dist.all_reduce(p.grad._local_tensor, group=efsdp_group if "experts" in name else dp_group)
-            g = p.grad.full_tensor()
+            if not fsdp:  # data-parallel sum: dense parameters over the dense fsdp dim, experts over efsdp
+                dist.all_reduce(_local(p.grad), group=efsdp_group if "experts" in name else dp_group)
+            g = _full(p.grad)
             torch.testing.assert_close(g, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
             worst["grad"] = max(worst["grad"], (g - q.grad).abs().max().item())
         # conserved: every layer dispatches each token copy once, over all ranks
@@ -87,12 +89,21 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            full = p.full_tensor()
+            full = _full(p)
             torch.testing.assert_close(full, q, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
             worst["param"] = max(worst["param"], (full - q).abs().max().item())
-    expert_bytes = sum(p.to_local().numel() for n, p in model.named_parameters() if "experts" in n)
+    expert_bytes = sum(_local(p).numel() for n, p in model.named_parameters() if "experts" in n)
     worst["expert_share"] = expert_bytes / sum(q.numel() for n, q in ref.named_parameters() if "experts" in n)
+    worst["efsdp"] = dims.efsdp
     return worst
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 2), (2, 4)], ids=["ep2xtp2", "ep4_tp2"])
@@ -103,3 +114,33 @@ def test_ep_tp_model_three_adamw_steps_match_one_process(tp: int, ep: int, pool4
     print(f"\nep={ep} x tp={tp} on 4 ranks: {len(seeds)} seeded cases x 3 AdamW steps equal one process; worst "
           f"|loss diff| {max(r['loss'] for r in results):.2e}, |grad diff| {max(r['grad'] for r in results):.2e}, "
           f"|param diff| {max(r['param'] for r in results):.2e}; experts per rank 1/{ep}")
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2)], ids=["ep2xtp2_dpshard2", "ep2_dpshard4"])
+def test_experts_fully_sharded_over_efsdp_match_one_process(tp: int, ep: int, pool4) -> None:
+    results = pool4.run(_ep_tp_case, tp, ep, 21, True)
+    efsdp = results[0]["efsdp"]
+    assert efsdp > 1 and all(r["expert_share"] == 1 / (ep * efsdp) for r in results)
+    print(f"\nFSDP: experts over efsdp={efsdp} x ep={ep}, dense over dp_shard={4 // tp} x tp={tp}: 3 AdamW steps "
+          f"equal one process; worst |loss diff| {max(r['loss'] for r in results):.2e}, |grad diff| "
+          f"{max(r['grad'] for r in results):.2e}, |param diff| {max(r['param'] for r in results):.2e}; "
+          f"experts per rank 1/{ep * efsdp}")
+
+
+def test_ep_not_dividing_the_sparse_ranks_is_refused_with_the_numbers() -> None:
+    import dataclasses
+
+    from hp_protocols import JobConfig
+
+    cases = 0
+    for world, tp, ep in [(4, 2, 3), (8, 4, 16), (6, 2, 4)]:
+        job = JobConfig.from_dict({"parallelism": {"tensor_parallel": tp, "expert_parallel": ep}})
+        with pytest.raises(ValueError, match=rf"expert_parallel {ep} must divide dp_shard\*cp\*tp = "
+                                             rf"{world // tp}\*1\*{tp} = {world}"):
+            job.resolve(world)
+        cases += 1
+    dims = JobConfig.from_dict({"parallelism": {"tensor_parallel": 2, "expert_parallel": 2}}).resolve(4)
+    assert (dims.efsdp, dims.sparse_mesh_shape()) == (2, (1, 1, 2, 2))
+    with pytest.raises(ValueError, match=r"expert_parallel 3 must divide dp_shard\*cp\*tp = 2\*1\*2 = 4"):
+        dataclasses.replace(dims, ep=3)  # built by hand, not through resolve
+    print(f"\n{cases + 1} ep sizes not dividing dp_shard*cp*tp refused with the numbers")
