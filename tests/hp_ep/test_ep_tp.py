@@ -35,6 +35,7 @@ def _tiny():
 def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool = False) -> dict:
     import torch.distributed as dist
 
+    from hp_dtensor import CommDebugMode
     from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
     from hp_protocols import JobConfig
@@ -62,6 +63,7 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
     gen = torch.Generator().manual_seed(seed + 1)
     seq, batch = 12, 2
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    counted = False
     for _ in range(3):
         batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen) for _ in range(dims.dp_shard)]
         ref_loss = sum(ref.loss(ref(b), b) for b in batches) / dims.dp_shard
@@ -69,8 +71,18 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
         for s in styles:
             s.clear_plans()
         mine = batches[dp_rank]
-        loss = model.loss(model(mine), mine)
-        (loss if fsdp else loss / dims.dp_shard).backward()  # FSDP means over the data-parallel ranks
+        with CommDebugMode() as fwd:
+            loss = model.loss(model(mine), mine)
+        with CommDebugMode() as bwd:
+            (loss if fsdp else loss / dims.dp_shard).backward()  # FSDP means over the data-parallel ranks
+        if not counted:  # token traffic per MoE layer: counts + dispatch + combine forward, the two reverses backward
+            counted = True
+            layers, row = len(styles), cfg.hidden_size * 4
+            moved = sum((sum(s.plans[-1].send_counts) + sum(s.plans[-1].recv_counts)) * row for s in styles)
+            assert fwd.get_comm_counts()["all_to_all"] == 3 * layers, fwd.get_comm_counts()
+            assert fwd.get_comm_bytes()["all_to_all"] == layers * cfg.num_experts * 8 + moved
+            assert bwd.get_comm_counts()["all_to_all"] == 2 * layers, bwd.get_comm_counts()
+            assert bwd.get_comm_bytes()["all_to_all"] == moved
         total = loss.detach().clone()
         dist.all_reduce(total, group=dp_group)
         torch.testing.assert_close(total / dims.dp_shard, ref_loss.detach(), rtol=RTOL, atol=ATOL)
