@@ -85,7 +85,7 @@ def bench(rank: int, world: int, tokens: int) -> dict[str, Any]:
         return torch.cat(outs)
 
     baseline = copy.deepcopy(ref)
-    baseline.experts.forward = allgather_experts  # type: ignore[method-assign]
+    baseline.experts.forward = allgather_experts  # type: ignore[method-assign,assignment]
 
     def step(block: Any) -> torch.Tensor:
         out = block(x)
