@@ -105,6 +105,54 @@ def _layer_case(rank: int, world: int, seed: int) -> dict:
     return {"worst": worst, "skew": skew, "empty": empty >= 0, "received": sum(plan.recv_counts)}
 
 
+def _nan_case(rank: int, world: int, seed: int, where: str) -> dict:
+    """A router producing NaN propagates exactly as in one process: NaN rows route deterministically
+    (``topk`` ranks NaN above every number), dispatch proceeds with the exchanged counts, and the
+    output and gradients hold NaN in the same places as the reference; no rank errors or hangs."""
+    import torch.distributed as dist
+
+    from hp_dtensor import init_device_mesh
+    from hp_ep import ExpertParallel
+    from hp_models.qwen3_5_moe import SparseMoeBlock
+    from hp_tp import parallelize_module
+
+    case = random.Random(seed)
+    cfg = _block_config(case)
+    torch.manual_seed(seed)
+    ref = SparseMoeBlock(cfg)
+    xs = [torch.randn(2, 3, cfg.hidden_size) for _ in range(world)]
+    with torch.no_grad():
+        if where == "weights":  # one expert's router row is NaN: every token's probabilities are NaN
+            ref.gate.weight[case.randrange(cfg.num_experts)] = float("nan")
+        else:  # one token on rank 0 is NaN: only its routing and output are NaN
+            xs[0][1, 2] = float("nan")
+    block = copy.deepcopy(ref)
+    ref_outs, ref_grads = [], []
+    for x in xs:
+        xr = x.clone().requires_grad_()
+        out = ref(xr)
+        out.sum().backward()
+        ref_outs.append(out.detach())
+        ref_grads.append(xr.grad)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    style = ExpertParallel()
+    parallelize_module(block, mesh, {"experts": style})
+    x = xs[rank].clone().requires_grad_()
+    out = block(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref_outs[rank], rtol=RTOL, atol=ATOL, equal_nan=True)
+    torch.testing.assert_close(x.grad, ref_grads[rank], rtol=RTOL, atol=ATOL, equal_nan=True)
+    n_local = cfg.num_experts // world
+    for name, p in block.named_parameters():
+        if "experts." in name:
+            want = dict(ref.named_parameters())[name].grad[rank * n_local:(rank + 1) * n_local]
+            torch.testing.assert_close(p.grad.to_local(), want, rtol=RTOL, atol=ATOL, equal_nan=True)
+    routed = torch.tensor([sum(style.plans[-1].send_counts)])
+    dist.all_reduce(routed)
+    assert routed.item() == world * 6 * cfg.num_experts_per_tok
+    return {"nan_rows": int(out.isnan().any(-1).sum())}
+
+
 def _model_case(rank: int, world: int, seed: int) -> float:
     """The tiny MoE model with every layer's experts over ep ranks, 3 AdamW steps, each rank its
     own batch; the reference is one process averaging the ranks' losses."""
@@ -202,6 +250,13 @@ def test_model_three_adamw_steps_match_one_process(world, pool2, pool4) -> None:
     pool = pool2 if world == 2 else pool4
     worst = max(pool.run(_model_case, 7 + world))
     print(f"\nep={world}: tiny MoE model, 3 AdamW steps equal one process; worst |param diff| {worst:.2e}")
+
+
+def test_router_nan_propagates_as_in_one_process(pool2) -> None:
+    stats = {where: pool2.run(_nan_case, 5 + i, where) for i, where in enumerate(("token", "weights"))}
+    assert sum(s["nan_rows"] for s in stats["token"]) == 1  # only the NaN token's output
+    assert all(s["nan_rows"] == 6 for s in stats["weights"])  # every token on every rank
+    print("\nrouter NaN: 2 cases (one NaN token, one NaN router row) propagate NaN exactly as one process")
 
 
 @pytest.mark.parametrize("world", [2, 4])

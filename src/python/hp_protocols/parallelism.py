@@ -138,6 +138,15 @@ class ParallelDims:
     virtual_stages: int
     stage_layers: tuple[tuple[int, ...], ...] | None  # layers of each virtual stage, in order
 
+    def __post_init__(self) -> None:
+        # EP reuses the dp_shard*cp*tp ranks: the sparse mesh needs a whole number of ep groups there.
+        shard = self.dp_shard * self.cp * self.tp
+        if self.ep < 1 or shard % self.ep:
+            raise ValueError(
+                f"expert_parallel {self.ep} must divide dp_shard*cp*tp = {self.dp_shard}*{self.cp}*{self.tp} = "
+                f"{shard} (efsdp = dp_shard*cp*tp // ep must be a positive integer)"
+            )
+
     @property
     def fsdp(self) -> int:
         return self.dp_shard * self.cp

@@ -11,11 +11,12 @@ head is ever gathered.  ``lm_head`` keeps the vocab sharded for loss parallel.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from hp_dtensor import DeviceMesh, Replicate, Shard
+from hp_dtensor import DeviceMesh, Placement, Replicate, Shard
 from hp_dtensor.platform import current as _platform
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_tp import (
@@ -46,16 +47,33 @@ def check_tp_size(config: Qwen3_5Config, tp: int) -> None:
         raise ValueError(f"tp={tp} does not divide {detail}; pick a tp that divides all of them")
 
 
+MlpPlan = Callable[[Placement], dict[str, ParallelStyle]]
+
+
+def dense_mlp_plan(seq: Placement) -> dict[str, ParallelStyle]:
+    """The dense MLP's styles (keys relative to the decoder layer): the sequence gathered at
+    entry, gate/up column-parallel, down row-parallel back to ``seq``."""
+    return {
+        "mlp": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+    }
+
+
 def parallelize_qwen3_5_tp(
     model: Any, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = True,
     context_parallel: int = 1,
+    mlp_plan: MlpPlan = dense_mlp_plan,
 ) -> Any:
     """Apply the plan in place on a 1-D ``tp_mesh``; returns the model.
 
     The model's forward then takes ``input_ids`` replicated on every rank and returns logits as a
     DTensor: ``Shard(-1)`` over the vocab when ``loss_parallel`` (use ``hp_tp.loss_parallel()``
     for the loss), else ``Replicate()``.  With ``context_parallel > 1`` the sequence is already
-    split over the CP ranks, so sequence parallelism is ignored with a warning."""
+    split over the CP ranks, so sequence parallelism is ignored with a warning.  ``mlp_plan``
+    gives each layer's MLP styles from the activation layout between blocks (a model whose MLP is
+    not the dense one passes its own)."""
     config: Qwen3_5Config = model.config
     tp = tp_mesh.size()
     check_tp_size(config, tp)
@@ -95,10 +113,7 @@ def parallelize_qwen3_5_tp(
         plan: dict[str, ParallelStyle] = {
             "input_layernorm": norm(),
             "post_attention_layernorm": norm(),
-            "mlp": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate()),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+            **mlp_plan(seq),
         }
         if layer.layer_type == "full_attention":
             plan.update({

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_dtensor import DeviceMesh, DTensor, Partial
 from hp_models.qwen3_5.model import MLP, DecoderLayer, TextModel, local
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_protocols import BaseModel, Module
@@ -54,7 +55,12 @@ class SparseMoeBlock(Module):
     """Router (linear -> softmax -> top-k -> renormalise), routed experts, and a shared expert
     scaled by ``sigmoid(shared_expert_gate(x))``.  After each forward ``router_probs`` (T, E) and
     ``router_topk`` (T, k) hold this call's routing (for the load-balancing loss) and
-    ``tokens_per_expert`` (E,) its assignment counts."""
+    ``tokens_per_expert`` (E,) its assignment counts.
+
+    Under a plan that splits the tokens over ranks (sequence parallel), the block runs on this
+    rank's tokens only and ``token_mesh`` names the mesh they are split over: the router and the
+    shared-expert gate then use their replicated weights locally (partial gradients, summed over
+    the mesh) and the load-balancing loss sums its statistics over it."""
 
     def __init__(self, config: Qwen3_5MoeConfig) -> None:
         super().__init__()
@@ -68,11 +74,12 @@ class SparseMoeBlock(Module):
         self.router_probs: torch.Tensor | None = None
         self.router_topk: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        self.token_mesh: DeviceMesh | None = None
 
     def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(softmax probabilities (T, E) in fp32, top-k weights (T, k) in x's dtype, top-k expert ids (T, k))."""
-        logits = self.gate(x2)
-        probs = torch.softmax(local(logits).float(), dim=-1)
+        logits = F.linear(x2, local(self.gate.weight, partial_grad=True))
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -88,7 +95,8 @@ class SparseMoeBlock(Module):
         token_of = order // self.top_k
         routed = self.experts(x2[token_of], counts) * weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(x2).index_add(0, token_of, routed.to(x2.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
+        gate = F.linear(x2, local(self.shared_expert_gate.weight, partial_grad=True))
+        shared = torch.sigmoid(gate) * self.shared_expert(x2)
         self.router_probs, self.router_topk, self.tokens_per_expert = probs, ids, counts.detach()
         return (out + shared).reshape(shape)
 
@@ -105,7 +113,8 @@ class MoeTextModel(TextModel):
 def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch.Tensor:
     """Switch-Transformer auxiliary loss over the last forward of ``blocks``, as HF computes it:
     ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e``
-    its mean router probability, both over every layer's tokens."""
+    its mean router probability, both over every layer's tokens (over every rank's tokens when the
+    blocks' tokens are split over a ``token_mesh``)."""
     counts = torch.zeros(num_experts, dtype=torch.float32)
     prob_sum = torch.zeros(num_experts, dtype=torch.float32)
     rows = 0
@@ -116,7 +125,20 @@ def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch
         counts = counts.to(probs.device) + torch.bincount(b.router_topk.reshape(-1), minlength=num_experts).float()
         prob_sum = prob_sum.to(probs.device) + probs.sum(dim=0)
         rows += probs.shape[0]
-    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    mesh = next((b.token_mesh for b in blocks if b.token_mesh is not None), None)
+    if mesh is None:
+        return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+    # The loss is linear in each rank's probability sums once the counts are global, so every rank
+    # adds its share; the counts and row total carry no gradient.
+    totals = _sum_over(mesh, torch.cat([counts, counts.new_tensor([float(rows)])]).detach())
+    share = num_experts * torch.sum((totals[:-1] / totals[-1]) * (prob_sum / totals[-1]))
+    return _sum_over(mesh, share)
+
+
+def _sum_over(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
+    """Each rank's ``t`` summed over ``mesh``, the same on every rank (differentiable)."""
+    total: torch.Tensor = DTensor.from_local(t, mesh, [Partial()], run_check=False).full_tensor()
+    return total
 
 
 class Qwen3_5MoeForCausalLM(BaseModel):

@@ -1,0 +1,47 @@
+"""Fully sharded data parallelism for the Qwen3.5 MoE model: dense parameters over the dense
+mesh's data-parallel dims, routed experts over the sparse mesh's ``efsdp`` dim.
+
+Apply after ``parallelize_qwen3_5_moe``.  Each MoE block's experts are their own shard group on
+``efsdp`` (an expert parameter is then a DTensor over ``(ep, efsdp)``); each decoder layer's other
+parameters and then the root are shard groups on the dense data-parallel mesh, as for the dense
+model.  An expert's gradient already holds the tokens of its whole ep group, so after the sum over
+``efsdp`` it holds every data-parallel rank's tokens: it is divided by the dense data-parallel
+size, exactly like the dense gradients' mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hp_dtensor import DeviceMesh
+from hp_fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp_qwen3_5_moe(
+    model: Any,
+    dp_mesh: DeviceMesh,
+    efsdp_mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> Any:
+    """Shard ``model`` in place: experts over the 1-D ``efsdp_mesh`` (the sparse mesh's
+    ``efsdp`` dim), everything else over ``dp_mesh`` (1-D: FSDP; 2-D ``(dp_replicate, shard)``:
+    HSDP).  Gradients are means over the dense data-parallel ranks.  Returns ``model``."""
+    if efsdp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_fsdp_qwen3_5_moe needs a 1-D efsdp mesh, got {efsdp_mesh.ndim} dims "
+            f"{efsdp_mesh.mesh_dim_names}; pass sparse_mesh['efsdp']"
+        )
+    dp_size = dp_mesh.size()
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    for layer, ex in zip(model.model.layers, experts):
+        fully_shard(ex, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    for ex in experts:
+        ex.set_gradient_divide_factor(float(dp_size))
+    return model
+
+
+__all__ = ["apply_fsdp_qwen3_5_moe"]

@@ -1,0 +1,101 @@
+"""Tensor and expert parallelism for the Qwen3.5 MoE model (the composed EP x TP application).
+
+Everything but the MoE blocks follows the dense Qwen3.5 plan on the ``tp`` mesh (sequence
+parallel, attention and Gated DeltaNet split by head).  Each MoE block runs on the tokens of this
+rank's sequence shard -- it is token-wise, so it never gathers the sequence:
+
+- the router and the shared-expert gate keep replicated weights, used on local tokens (their
+  gradients are partial sums over ``tp``);
+- the shared expert is a dense MLP, split over ``tp`` like the dense MLP (the shard's tokens are
+  gathered at its entry and its output reduce-scattered back);
+- the routed experts are stacked and sharded over the ``ep`` dim of the sparse mesh
+  ``[pp, dp_replicate, efsdp, ep]``; every rank dispatches its own tokens within its ep group.
+
+The sparse mesh orders ranks like the dense one with ``ep`` innermost, so with ``ep <= tp`` an ep
+group lies inside one TP group and the remaining ``tp // ep`` TP ranks are part of ``efsdp``: they
+hold the same experts and split them by FSDP, which keeps that part of the TP split inside the
+experts; with ``ep > tp`` the ep group spans several TP groups, so EP runs across the TP ranks.
+Either way the numbers equal one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hp_dtensor import DeviceMesh, Placement, Replicate, Shard
+from hp_dtensor.platform import current as _platform
+from hp_ep import ExpertParallel
+from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
+from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
+from hp_tp import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+
+def check_moe_tp_size(config: Qwen3_5MoeConfig, tp: int) -> None:
+    """``ValueError`` naming the shared expert's width when ``tp`` does not divide it."""
+    if config.shared_expert_intermediate_size % tp:
+        raise ValueError(
+            f"tp={tp} does not divide shared_expert_intermediate_size={config.shared_expert_intermediate_size}; "
+            f"pick a tp that divides it"
+        )
+
+
+def _moe_block_plan(seq: Placement) -> dict[str, ParallelStyle]:
+    if seq != Shard(1):
+        raise ValueError(
+            "the MoE plan needs sequence parallelism (activations Shard(1) between blocks); "
+            "pass sequence_parallel=True"
+        )
+    return {
+        # The block sees this rank's sequence shard as a plain tensor and returns it as Shard(1).
+        "mlp": PrepareModuleInputOutput(
+            input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_input=True,
+            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=False,
+        ),
+        # The block flattens its tokens to (tokens, hidden): the shard's rows are gathered here.
+        "mlp.shared_expert": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
+        "mlp.shared_expert.gate_proj": ColwiseParallel(),
+        "mlp.shared_expert.up_proj": ColwiseParallel(),
+        "mlp.shared_expert.down_proj": RowwiseParallel(output_layouts=Shard(0), use_local_output=True),
+    }
+
+
+def parallelize_qwen3_5_moe(
+    model: Any, *, tp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
+    loss_parallel: bool = False,
+) -> list[ExpertParallel]:
+    """Apply TP on the 1-D ``tp_mesh`` (sequence parallel on) and EP on the 1-D ``ep_mesh`` (the
+    sparse mesh's ``ep`` dim) in place; either may be None.  Returns each MoE block's
+    ``ExpertParallel`` in layer order (their ``plans`` hold each forward's token counts).
+
+    Logits come back as a ``Replicate()`` DTensor under TP (``Shard(-1)`` over the vocab when
+    ``loss_parallel``).  Data-parallel gradient reduction is not done here: dense gradients are
+    summed over the dense mesh's data-parallel dims, expert gradients over ``efsdp`` (FSDP does
+    both)."""
+    config: Qwen3_5MoeConfig = model.config
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        check_moe_tp_size(config, tp_mesh.size())
+        parallelize_qwen3_5_tp(model, tp_mesh, sequence_parallel=True, loss_parallel=loss_parallel,
+                               mlp_plan=_moe_block_plan)
+        plat = _platform()
+        for layer in model.model.layers:
+            block = layer.mlp
+            for gate in (block.gate, block.shared_expert_gate):
+                plat.set_param(gate, "weight", plat.distribute_tensor(gate.weight.data, tp_mesh, [Replicate()]))
+            block.token_mesh = tp_mesh
+    styles: list[ExpertParallel] = []
+    if ep_mesh is not None and ep_mesh.size() > 1:
+        for layer in model.model.layers:
+            style = ExpertParallel()
+            parallelize_module(layer.mlp, ep_mesh, {"experts": style})
+            styles.append(style)
+    return styles
+
+
+__all__ = ["check_moe_tp_size", "parallelize_qwen3_5_moe"]
