@@ -127,7 +127,7 @@ class TrainLayout:
 
     def as_dict(self) -> dict[str, Any]:
         d = self.dims
-        out = {
+        out: dict[str, Any] = {
             "world_size": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
             "global_batch_size": self.global_batch_size, "local_batch_size": self.local_batch_size,
             "accumulation_steps": self.accumulation, "sum_gradients": self.sum_gradients,

@@ -4,7 +4,10 @@ With no flags: the built-in tiny config on the synthetic next-token task, tp=2 o
 spawned here (under ``torchrun`` the launcher's ranks are used instead).  ``--job job.yaml`` takes
 a job file's ``parallelism:`` and ``training:`` sections (data_parallel_shard, tensor_parallel,
 reshard_after_forward_policy, disable_gradient_division, global_batch_size, local_batch_size, ...);
-flags given on the command line override it.  World = dp_replicate * dp_shard * tp ranks; each
+flags given on the command line override it.  With ``pipeline_parallel`` (``--pp``) > 1 the layers
+are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overlap_p2p) with TP and
+FSDP inside each, and the accumulation micro-steps are the pipeline's microbatches
+(``hp_models.train_pipeline``).  World = pp * dp_replicate * dp_shard * tp ranks; each
 data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
 writes ``loss.png`` and ``log.json`` to ``--out-dir``.

@@ -14,6 +14,11 @@ exchanged on the first step and cached (a later step with other shapes is refuse
 waited at the end of the step; with ``overlap_p2p`` the receive of the next transfer is posted
 ahead, while this one's compute runs.
 
+Data parallelism inside a stage: a stage module with FSDP2's controls (``fully_shard``'s
+``set_requires_gradient_sync`` and ``set_reshard_after_backward``) has both turned off for the
+backward of every microbatch but its last, so its gradients accumulate locally and are reduced
+once per step, and its gathered parameters are not freed between microbatches.
+
 Failure: an exception on any rank during a step is posted on the rendezvous store; a rank
 waiting for a transfer sees it within milliseconds and raises ``PipelineAbortedError`` naming
 the failed rank and its error; every rank then joins one agreement so none is left waiting.
