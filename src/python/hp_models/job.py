@@ -161,9 +161,11 @@ def plan(
     raw: dict[str, Any] | None, overrides: Overrides, model: ModelSizes, world_size: int | None = None
 ) -> TrainLayout:
     """Resolve a job (``raw``: the job file's mapping, None without one) with ``overrides`` for
-    ``world_size`` ranks (None: the ranks the job names, i.e. ``data_parallel_shard * tp`` with no
-    replicas, or ``tp`` when ``data_parallel_shard`` is -1).  Raises ``ValueError`` saying what to
-    change."""
+    ``world_size`` ranks (None: the ranks the job names, i.e. ``data_parallel_shard * tp * pp`` with
+    no replicas, or ``tp * pp`` when ``data_parallel_shard`` is -1).  Without ``local_batch_size``
+    each data-parallel rank takes its share of the batch in one micro-step, or in ``pp``
+    microbatches under pipeline parallelism when they divide it.  Raises ``ValueError`` (a
+    ``PipelineConfigError`` for a layer split) saying what to change."""
     job = copy.deepcopy(raw) if raw is not None else {}
     if not isinstance(job.get("parallelism") or {}, dict) or not isinstance(job.get("training") or {}, dict):
         raise ValueError("the job's parallelism: and training: sections must be mappings")
