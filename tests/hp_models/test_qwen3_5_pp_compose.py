@@ -3,11 +3,13 @@
 
 The dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` at pp=2 x tp=2 (the Qwen3.5 TP plan
 inside each stage, sequence-sharded activations between stages) and pp=2 x dp_shard=2
-(``fully_shard`` inside each stage), 1F1B and interleaved, tied and untied embeddings: the loss,
+(``fully_shard`` inside each stage), pp=2 x dp_replicate=2 (HSDP), 1F1B and interleaved, tied and
+untied embeddings: the loss,
 every gradient of the first step and every parameter after 3 AdamW steps equal plain
 single-process training on the whole batch (float64 weights, rtol 1.5e-4, atol 1e-5), compared
 whole (``full_tensor``) on the rank holding each parameter.  Under FSDP each step issues one
-reduce_scatter and one all_gather per FSDP unit, not one per microbatch.  PP x TP x FSDP needs 8
+reduce_scatter and one all_gather per FSDP unit, not one per microbatch (under HSDP one all_reduce
+across replicas per unit).  PP x TP x FSDP needs 8
 ranks: it is not run here.
 """
 
@@ -99,7 +101,7 @@ def _worst(got: dict, want: dict) -> float:
     return worst
 
 
-def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m: int) -> dict:
+def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m: int, replicas: int = 1) -> dict:
     import torch
 
     from hp_dtensor import CommDebugMode, init_device_mesh
@@ -110,7 +112,7 @@ def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m
     layers = 4
     cfg = _config(layers, tie)
     ref_losses, ref_grads, ref_params = _reference(layers, tie)
-    mesh = init_device_mesh("cpu", (2, 1, dp, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    mesh = init_device_mesh("cpu", (2, replicas, dp, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
     split = split_layers("auto", layers, 2, interleave)
     stages = pipeline_qwen3_5(_build(cfg), split, mesh)
     sched = (ScheduleInterleaved1F1B(stages, m, _loss) if interleave > 1 else Schedule1F1B(stages[0], m, _loss))
@@ -120,8 +122,9 @@ def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m
             params[n] = p
     opt = torch.optim.AdamW(list({id(p): p for p in params.values()}.values()), lr=LR, weight_decay=0.0)
     first, last = stages[0].is_first, stages[-1].is_last
-    dp_rank = mesh.get_coordinate()[2]
-    rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+    coord = mesh.get_coordinate()
+    dp_rank, n_dp = coord[1] * dp + coord[2], replicas * dp
+    rows = slice(dp_rank * BATCH // n_dp, (dp_rank + 1) * BATCH // n_dp)
     out: dict[str, Any] = {"losses": [], "n_grads": 0}
     for step in range(STEPS):
         ids, tgt = synthetic.batch(0, step, BATCH, SEQ, cfg.vocab_size)
@@ -131,13 +134,15 @@ def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m
             sched.step(*([ids[rows]] if first else []), target=tgt[rows] if last else None, losses=losses)
         if step == 1:
             out["counts"] = {str(k): v for k, v in comm.get_comm_counts().items()}
+        # the mean over the data-parallel ranks' parts of the batch (the last stage's ranks hold
+        # the losses, each rank of a TP group the same)
+        mean = torch.zeros(1, dtype=torch.float64)
         if last:
             assert len(losses) == m
-            mean = torch.stack([x.reshape(()) for x in losses]).mean().reshape(1)
-            if dp > 1:  # the mean over the data-parallel ranks' parts of the batch
-                torch.distributed.all_reduce(mean, group=mesh.get_group(2))
-                mean = mean / dp
-            loss = float(mean[0])
+            mean += torch.stack([x.reshape(()) for x in losses]).mean()
+        torch.distributed.all_reduce(mean)
+        if last:
+            loss = float(mean[0]) / (n_dp * tp)
             assert abs(loss - ref_losses[step]) <= ATOL + RTOL * abs(ref_losses[step]), (step, loss, ref_losses[step])
             out["losses"].append(loss)
         if step == 0:
@@ -160,6 +165,8 @@ CASES = [
     (1, 2, 1, True, 2),
     (1, 2, 2, True, 2),
 ]
+# HSDP: 2 replicas of a shard group of one rank, untied, interleaved
+HSDP_CASE = (1, 1, 2, False, 2)
 
 
 @pytest.mark.parametrize("tp,dp,interleave,tie,m", CASES,
@@ -179,6 +186,17 @@ def test_pp_composed_equals_one_process(pool4, tp, dp, interleave, tie, m):
           f"{sum(r['n_grads'] for r in res)} gradients, worst grad {max(r['worst_grad'] for r in res):.3f}, "
           f"worst param after {STEPS} AdamW {max(r['worst_param'] for r in res):.3f} (of the rtol/atol bound); "
           f"comms per step rank 0 {res[0]['counts']}")
+
+
+def test_pp_hsdp_equals_one_process(pool4):
+    tp, dp, interleave, tie, m = HSDP_CASE
+    res = pool4.run(_case, tp, dp, interleave, tie, m, replicas=2)
+    for r in res:
+        # gradients all-reduced across the replicas once per step and FSDP unit
+        assert r["counts"].get("all_reduce", 0) == r["units"], (r["counts"], r["units"])
+    print(f"[pp compose] pp=2 dp_replicate=2 interleave={interleave} m={m}: {sum(r['n_grads'] for r in res)} "
+          f"gradients, worst grad {max(r['worst_grad'] for r in res):.3f}, worst param after {STEPS} AdamW "
+          f"{max(r['worst_param'] for r in res):.3f}; comms per step rank 0 {res[0]['counts']}")
 
 
 def _build_names(cfg) -> list[str]:
