@@ -183,7 +183,7 @@ def test_pp_composed_equals_one_process(pool4, tp, dp, interleave, tie, m):
             assert counts.get("reduce_scatter", 0) == r["units"], (counts, r["units"])
             assert counts.get("all_gather", 0) == r["units"], (counts, r["units"])
     print(f"[pp compose] pp=2 tp={tp} dp_shard={dp} interleave={interleave} tied={tie} m={m}: "
-          f"{sum(r['n_grads'] for r in res)} gradients, worst grad {max(r['worst_grad'] for r in res):.3f}, "
+          f"{sum(r['n_grads'] for r in res)} gradient comparisons over the ranks, worst grad {max(r['worst_grad'] for r in res):.2e}, "
           f"worst param after {STEPS} AdamW {max(r['worst_param'] for r in res):.3f} (of the rtol/atol bound); "
           f"comms per step rank 0 {res[0]['counts']}")
 
@@ -195,7 +195,7 @@ def test_pp_hsdp_equals_one_process(pool4):
         # gradients all-reduced across the replicas once per step and FSDP unit
         assert r["counts"].get("all_reduce", 0) == r["units"], (r["counts"], r["units"])
     print(f"[pp compose] pp=2 dp_replicate=2 interleave={interleave} m={m}: {sum(r['n_grads'] for r in res)} "
-          f"gradients, worst grad {max(r['worst_grad'] for r in res):.3f}, worst param after {STEPS} AdamW "
+          f"gradient comparisons over the ranks, worst grad {max(r['worst_grad'] for r in res):.2e}, worst param after {STEPS} AdamW "
           f"{max(r['worst_param'] for r in res):.3f}; comms per step rank 0 {res[0]['counts']}")
 
 
