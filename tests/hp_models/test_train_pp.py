@@ -58,7 +58,7 @@ def _worst(got: list[float], want: list[float]) -> float:
                      "stage_layers": [[0, 1], [2, 3], [4, 5, 6, 7, 8], [9]]}),
 ], ids=["8L-auto-interleaved-tp2", "10L-explicit-fsdp2"])
 def test_example_pp_job_equals_pp1(pool4: RankPool, job: str, layout: dict[str, Any], tmp_path) -> None:
-    argv = ["--job", job, "--steps", "3", "--out-dir", str(tmp_path), *SHORT]
+    argv = ["--job", job, "--steps", "2", "--out-dir", str(tmp_path), *SHORT]
     res = pool4.run(_run, argv)
     for key, value in layout.items():
         assert res[0]["layout"][key] == value, (key, res[0]["layout"])
