@@ -165,7 +165,7 @@ def test_hsdp_job_equals_single_process(pool4: RankPool, reference, tmp_path) ->
 # ---------------------------------------------------------------- before any rank starts
 @pytest.mark.parametrize("parallelism,words", [
     ({"context_parallel": 2}, ["context_parallel=2", "context parallelism is not built", "context_parallel: 1"]),
-    ({"pipeline_parallel": 2}, ["pipeline_parallel=2", "pipeline parallelism is not built"]),
+    ({"pipeline_parallel": 2}, ["pipeline_parallel > 1 needs pipeline_parallel_layers_per_stage", "'auto'"]),
     ({"expert_parallel": 2}, ["expert_parallel=2", "expert parallelism is not built"]),
     ({"data_parallel_shard": 3}, ["data_parallel", "not divisible by data_parallel_shard 3"]),
     ({"reshard_after_forward_policy": "sometimes"}, ["reshard_after_forward_policy", "'sometimes'"]),
@@ -198,10 +198,11 @@ def test_bad_batch_and_world_fail_before_any_rank_starts(argv, words) -> None:
 
 def test_model_facts_in_the_job_must_match_the_model(tmp_path) -> None:
     job = tmp_path / "job.yaml"
-    job.write_text("parallelism:\n  tensor_parallel: 2\nmodel:\n  num_hidden_layers: 8\n")
+    # (model.num_hidden_layers sets the depth of the tiny config; the head count is the config's)
+    job.write_text("parallelism:\n  tensor_parallel: 2\nmodel:\n  num_attention_heads: 16\n")
     with pytest.raises(SystemExit) as info:
         train.main(["--job", str(job)])
-    assert "model.num_hidden_layers is 8 but the model being trained has 4" in str(info.value.code)
+    assert "model.num_attention_heads is 16 but the model being trained has 8" in str(info.value.code)
 
 
 # ---------------------------------------------------------------- the layout, one process

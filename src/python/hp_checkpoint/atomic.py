@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from hp_checkpoint.dcp import DCPPrimitives, dcp_backend
+from hp_checkpoint.dcp import dcp_backend
 from hp_checkpoint.faults import FAULT_ENV, FaultPoint, crash_point
 from hp_checkpoint.manifest import (
     CheckpointKind,
@@ -117,10 +117,12 @@ def save_checkpoint(
         mine = file_entries(stage, written)
     except OSError as e:
         mine, error = {}, describe_os_error(e, f"checkpoint save to {root}: rank {rank} cannot checksum its files")
-    gathered = plat.all_gather_object((mine, error), group=group)
+    # every rank's tensors: ranks may hold different names (the stages of a pipeline)
+    tensors = tensor_entries(state_dict, dcp.tensor_meta)
+    gathered = plat.all_gather_object((mine, error, tensors), group=group)
     outcome: tuple[str | None, str | None] = (None, None)
     if rank == 0:
-        outcome = _finish(plat.NAME, dcp, state_dict, root, stage, step, gathered, extra, keep)
+        outcome = _finish(plat.NAME, root, stage, step, gathered, extra, keep)
         if outcome[1] is not None:
             _discard(stage)  # every rank is done with it; a committed step is no longer there
     path, failure = plat.broadcast_object(outcome, group=group)
@@ -155,22 +157,27 @@ def _discard(stage: str) -> None:
 
 def _finish(
     framework: str,
-    dcp: DCPPrimitives,
-    state_dict: Mapping[str, Any],
     root: str,
     stage: str,
     step: int,
-    gathered: list[tuple[dict[str, FileEntry], str | None]],
+    gathered: list[tuple[dict[str, FileEntry], str | None, dict[str, TensorEntry]]],
     extra: Mapping[str, Any] | None,
     keep: int | None,
 ) -> tuple[str | None, str | None]:
     """Rank 0: the manifest, the rename, the pruning; returns (path, None) or (None, error)."""
-    errors = [e for _, e in gathered if e is not None]
+    errors = [e for _, e, _ in gathered if e is not None]
     if errors:
         return None, errors[0]
     files: dict[str, FileEntry] = {}
-    for entries, _ in gathered:
+    tensors: dict[str, TensorEntry] = {}
+    for r, (entries, _, held) in enumerate(gathered):
         files.update(entries)
+        for fqn, entry in held.items():
+            seen = tensors.setdefault(fqn, entry)
+            if seen != entry:
+                return None, (f"checkpoint save of step {step}: rank {r} holds {fqn!r} as {entry.dtype} of global shape "
+                              f"{tuple(entry.shape)}, another rank as {seen.dtype} {tuple(seen.shape)}; one name "
+                              f"must be one tensor on every rank that holds it")
     try:
         crash_point(FaultPoint.BEFORE_MANIFEST, 0, step)
         manifest = Manifest(
@@ -178,7 +185,7 @@ def _finish(
             kind=CheckpointKind.DCP,
             step=step,
             files=files,
-            tensors=tensor_entries(state_dict, dcp.tensor_meta),
+            tensors=tensors,
             extra=dict(extra or {}),
         )
         write_manifest(stage, manifest)

@@ -81,6 +81,19 @@ class FSDPModule:
             if st.group is not None:
                 st.group.reduce_grads = bool(requires_gradient_sync)
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps the gathered parameters after backward (the microbatches of a pipeline step
+        but its last: the next microbatch's forward and backward then gather nothing); True (the
+        default) frees them once backward is done with them.  A bool, as in torch."""
+        if not isinstance(reshard_after_backward, bool):
+            raise ValueError(
+                f"set_reshard_after_backward takes a bool, got {reshard_after_backward!r} "
+                f"({type(reshard_after_backward).__name__})"
+            )
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.reshard_after_backward = reshard_after_backward
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Reshard after forward (True: over the whole shard group) or not (False), from the next
         forward on; replaces a ``reshard_after_forward=<int>`` given to ``fully_shard``.  Only a

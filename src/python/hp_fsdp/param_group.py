@@ -57,6 +57,7 @@ class FSDPParamGroup:
         self.reduce_grads = True
         self.divide_factor: float | None = None  # None: average over every data-parallel rank
         self.reshard_after_forward = True
+        self.reshard_after_backward = True
         # reshard_after_forward=<int>: the smaller group to keep the parameters in after forward
         self.post_forward_group: PostForwardGroup | None = None
         # SHARDED_POST_FORWARD: this rank's part of the gathered buffer and the group it came from
@@ -203,7 +204,7 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Start reducing the unsharded gradients into the sharded parameters' ``.grad`` (unless
         gradient sync is off: they then accumulate unsharded until a step that syncs), then
-        reshard.  The reduce_scatter runs while backward goes on; ``finish_reduce`` completes it
+        reshard (unless ``reshard_after_backward`` is off).  The reduce_scatter runs while backward goes on; ``finish_reduce`` completes it
         (the root calls it when the next group starts one, and at the end of backward)."""
         self.in_backward = False
         if self.reduce_grads:
@@ -212,7 +213,8 @@ class FSDPParamGroup:
             queue.append(self)
             while len(queue) > 1:  # one reduction in flight at a time bounds the memory it holds
                 queue.pop(0).finish_reduce()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
 
     def _start_reduce(self) -> None:
         params = self.needs_grad

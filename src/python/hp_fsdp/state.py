@@ -163,7 +163,8 @@ def _finalizer(ctx: RootContext) -> Any:
                 continue
             if g.in_backward:
                 g.post_backward()
-            g.reshard()
+            if g.reshard_after_backward:
+                g.reshard()
         while ctx.reduce_queue:
             ctx.reduce_queue.pop(0).finish_reduce()
         _clear_post_forward_order(ctx)

@@ -3,9 +3,10 @@ sections, overridden by command-line flags, resolved into the numbers the traine
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
-yet (context, pipeline and expert parallelism) and a global batch that the data-parallel ranks
-and accumulation steps would not consume exactly, so no run trains on a batch other than the one
-asked for.
+yet (context and expert parallelism), a pipeline split or microbatch count the schedules cannot
+run (with ``hp_pp``'s messages), and a global batch that the data-parallel ranks and
+accumulation steps would not consume exactly, so no run trains on a batch other than the one
+asked for.  Under pipeline parallelism the accumulation steps are the microbatches.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hp_pp import StageSplit, split_layers
 from hp_protocols import JobConfig
 from hp_protocols.parallelism import ParallelDims
 
@@ -24,7 +26,6 @@ DEFAULT_TP = 2  # without a job file: the README's main job
 # Degrees the config accepts but this trainer does not build yet: (field, what it is).
 _NOT_BUILT = (
     ("context_parallel", "context parallelism"),
-    ("pipeline_parallel", "pipeline parallelism"),
     ("expert_parallel", "expert parallelism"),
 )
 
@@ -35,6 +36,7 @@ class Overrides:
 
     tp: int | None = None
     dp_shard: int | None = None
+    pp: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
 
@@ -57,6 +59,16 @@ class TrainLayout:
     sum_gradients: bool  # disable_gradient_division: data-parallel gradients are summed, not averaged
     cpu_offload: bool
     reshard_after_forward_policy: str
+    split: StageSplit | None = None  # the layers of each virtual stage, under pipeline parallelism
+    overlap_p2p: bool = False
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def interleave(self) -> int:
+        return self.split.interleave if self.split is not None else 1
 
     @property
     def world_size(self) -> int:
@@ -106,19 +118,25 @@ class TrainLayout:
 
     def describe(self) -> str:
         d = self.dims
-        if self.dp == 1:
+        pp = [f"pp={d.pp}" + (f" x interleave {self.interleave}" if self.interleave > 1 else "")] if d.pp > 1 else []
+        if self.dp == 1 and not pp:
             return f"tp={d.tp}"
-        parts = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + [f"dp_shard={d.dp_shard}", f"tp={d.tp}"]
-        return f"{', '.join(parts)} on {d.world_size} ranks"
+        dp = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + (
+            [f"dp_shard={d.dp_shard}"] if self.dp > 1 else [])
+        return f"{', '.join(pp + dp + [f'tp={d.tp}'])} on {d.world_size} ranks"
 
     def as_dict(self) -> dict[str, Any]:
         d = self.dims
-        return {
+        out: dict[str, Any] = {
             "world_size": d.world_size, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
             "global_batch_size": self.global_batch_size, "local_batch_size": self.local_batch_size,
             "accumulation_steps": self.accumulation, "sum_gradients": self.sum_gradients,
             "reshard_after_forward": d.reshard_after_forward,
         }
+        if d.pp > 1:  # (a layout without pipelining reads as before)
+            out.update({"pp": d.pp, "interleave": self.interleave,
+                        "stage_layers": [list(layers) for layers in self.split.layers] if self.split else None})
+        return out
 
 
 def read_job_file(path: str) -> dict[str, Any]:
@@ -143,9 +161,11 @@ def plan(
     raw: dict[str, Any] | None, overrides: Overrides, model: ModelSizes, world_size: int | None = None
 ) -> TrainLayout:
     """Resolve a job (``raw``: the job file's mapping, None without one) with ``overrides`` for
-    ``world_size`` ranks (None: the ranks the job names, i.e. ``data_parallel_shard * tp`` with no
-    replicas, or ``tp`` when ``data_parallel_shard`` is -1).  Raises ``ValueError`` saying what to
-    change."""
+    ``world_size`` ranks (None: the ranks the job names, i.e. ``data_parallel_shard * tp * pp`` with
+    no replicas, or ``tp * pp`` when ``data_parallel_shard`` is -1).  Without ``local_batch_size``
+    each data-parallel rank takes its share of the batch in one micro-step, or in ``pp``
+    microbatches under pipeline parallelism when they divide it.  Raises ``ValueError`` (a
+    ``PipelineConfigError`` for a layer split) saying what to change."""
     job = copy.deepcopy(raw) if raw is not None else {}
     if not isinstance(job.get("parallelism") or {}, dict) or not isinstance(job.get("training") or {}, dict):
         raise ValueError("the job's parallelism: and training: sections must be mappings")
@@ -157,6 +177,10 @@ def plan(
         par["tensor_parallel"] = overrides.tp
     if overrides.dp_shard is not None:
         par["data_parallel_shard"] = overrides.dp_shard
+    if overrides.pp is not None:
+        par["pipeline_parallel"] = overrides.pp
+        if overrides.pp > 1:
+            par.setdefault("pipeline_parallel_layers_per_stage", "auto")
     if overrides.global_batch_size is not None:
         train["global_batch_size"] = overrides.global_batch_size
     if overrides.local_batch_size is not None:
@@ -174,14 +198,23 @@ def plan(
             )
     config = JobConfig.from_dict(job)  # unknown keys and wrong types fail here, naming them
     p = config.parallelism
+    split = None
+    if isinstance(p.pipeline_parallel, int) and p.pipeline_parallel > 1:
+        # hp_pp's split: its messages suggest the explicit form when ``auto`` cannot divide
+        split = split_layers(p.pipeline_parallel_layers_per_stage, model.num_hidden_layers, p.pipeline_parallel,
+                             p.pipeline_parallel_interleave_num)
+    model_ranks = p.tensor_parallel * p.pipeline_parallel
     if world_size is None:
         shard = p.data_parallel_shard
-        world_size = p.tensor_parallel * (shard if isinstance(shard, int) and shard > 0 else 1)
+        world_size = model_ranks * (shard if isinstance(shard, int) and shard > 0 else 1)
     if "local_batch_size" not in train:
-        # No accumulation unless asked for: each data-parallel rank takes its share of the batch.
-        data_parallel = world_size // p.tensor_parallel if p.tensor_parallel > 0 else 0
+        # No accumulation unless asked for: each data-parallel rank takes its share of the batch;
+        # under pipeline parallelism the microbatches are the accumulation steps: one per pp rank.
+        data_parallel = world_size // model_ranks if model_ranks > 0 else 0
         if data_parallel > 0 and isinstance(config.training.global_batch_size, int):
-            config.training.local_batch_size = max(1, config.training.global_batch_size // data_parallel)
+            per_rank = config.training.global_batch_size // data_parallel
+            micro = p.pipeline_parallel if per_rank % max(p.pipeline_parallel, 1) == 0 else 1
+            config.training.local_batch_size = max(1, per_rank // micro)
     dims = config.resolve(world_size)
     gbs, lbs = config.training.global_batch_size, config.training.local_batch_size
     assert gbs is not None and dims.num_accumulation_steps is not None
@@ -192,9 +225,17 @@ def plan(
             f"{dims.data_parallel} * {lbs} = {dims.data_parallel * lbs}: a step would consume {consumed} "
             f"samples; pick sizes where it divides"
         )
+    if split is not None and split.interleave > 1 and dims.num_accumulation_steps % dims.pp:
+        raise ValueError(
+            f"pipeline_parallel_interleave_num {split.interleave} runs the interleaved 1F1B schedule, which needs "
+            f"the microbatches (accumulation steps = global_batch_size // (data_parallel * local_batch_size) = "
+            f"{gbs} // ({dims.data_parallel} * {lbs}) = {dims.num_accumulation_steps}) to be a multiple of "
+            f"pipeline_parallel {dims.pp}; change global_batch_size or local_batch_size"
+        )
     return TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
-        cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy,
+        cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
+        overlap_p2p=p.pipeline_parallel_overlap_p2p,
     )
 
 
@@ -212,4 +253,5 @@ def _model_facts(facts: dict[str, Any], model: ModelSizes) -> dict[str, Any]:
 def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
     """The same global batch on one process, in one forward per step: the reference run."""
     g = layout.global_batch_size
-    return plan(None, Overrides(tp=1, dp_shard=1, global_batch_size=g, local_batch_size=g), model, world_size=1)
+    return plan(None, Overrides(tp=1, dp_shard=1, pp=1, global_batch_size=g, local_batch_size=g), model,
+                world_size=1)

@@ -4,7 +4,10 @@ With no flags: the built-in tiny config on the synthetic next-token task, tp=2 o
 spawned here (under ``torchrun`` the launcher's ranks are used instead).  ``--job job.yaml`` takes
 a job file's ``parallelism:`` and ``training:`` sections (data_parallel_shard, tensor_parallel,
 reshard_after_forward_policy, disable_gradient_division, global_batch_size, local_batch_size, ...);
-flags given on the command line override it.  World = dp_replicate * dp_shard * tp ranks; each
+flags given on the command line override it.  With ``pipeline_parallel`` (``--pp``) > 1 the layers
+are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overlap_p2p) with TP and
+FSDP inside each, and the accumulation micro-steps are the pipeline's microbatches
+(``hp_models.train_pipeline``).  World = pp * dp_replicate * dp_shard * tp ranks; each
 data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
 writes ``loss.png`` and ``log.json`` to ``--out-dir``.
@@ -52,6 +55,7 @@ class Args:
     job: str | None
     tp: int | None
     dp_shard: int | None
+    pp: int | None
     nproc: int | None
     steps: int
     seq_len: int
@@ -76,8 +80,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
                    help="tensor-parallel size (tensor_parallel); default: the job's, or 2 without --job")
     p.add_argument("--dp-shard", type=int, default=None,
                    help="data_parallel_shard: ranks a parameter is sharded over; -1 = all data-parallel ranks")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline_parallel: stages the layers are split over (layers_per_stage 'auto' unless the "
+                        "job lists them); the accumulation steps are the microbatches")
     p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to spawn (world size); default: data_parallel_shard * tp, or tp when "
+                   help="ranks to spawn (world size); default: data_parallel_shard * tp * pp, or tp * pp when "
                         "data_parallel_shard is -1; more ranks than that make replicas (HSDP). Under torchrun: "
                         "the launcher's WORLD_SIZE")
     p.add_argument("--steps", type=int, default=120, help="optimizer steps (total, also when resuming)")
@@ -102,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
-    for name in ("tp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
+    for name in ("tp", "pp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -113,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if ns.resume and ns.overwrite:
         p.error("--resume continues the run in --checkpoint-dir, --overwrite deletes it: pass one of them")
     return Args(
-        job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
+        job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, pp=ns.pp, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
@@ -122,10 +129,16 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 def load_config(args: Args) -> Any:
+    """The model config: ``tiny`` (with the job's ``model.num_hidden_layers`` when it names one:
+    the pipeline examples use deeper tiny models) or a HF config.json."""
     from hp_models.qwen3_5 import Qwen3_5Config, tiny_config
 
     if args.config == "tiny":
-        return tiny_config()
+        layers = None
+        if args.job is not None:
+            facts = read_job_file(args.job).get("model") or {}
+            layers = facts.get("num_hidden_layers") if isinstance(facts, dict) else None
+        return tiny_config(num_hidden_layers=layers) if isinstance(layers, int) and layers > 0 else tiny_config()
     return Qwen3_5Config.from_json_file(args.config)
 
 
@@ -134,7 +147,7 @@ def model_sizes(config: Any) -> ModelSizes:
 
 
 def overrides(args: Args) -> Overrides:
-    return Overrides(tp=args.tp, dp_shard=args.dp_shard, global_batch_size=args.batch_size,
+    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, global_batch_size=args.batch_size,
                      local_batch_size=args.local_batch_size)
 
 
@@ -148,8 +161,8 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     if env_world is not None and args.nproc is not None and args.nproc != world:
         sys.exit(f"error: {where}--nproc {args.nproc} disagrees with the launcher's ranks; drop --nproc")
     try:
-        config = load_config(args)
         raw = read_job_file(args.job) if args.job is not None else None
+        config = load_config(args)
         layout = plan(raw, overrides(args), model_sizes(config), world)
         check_tp_size(config, layout.tp)
     except (FileNotFoundError, ValueError) as e:
@@ -226,14 +239,18 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
         return model, 0
     dims = layout.dims
     dense, _ = dims.build_mesh("cpu")  # (pp, dp_replicate, fsdp, tp)
+    coord = dense.get_coordinate()
+    assert coord is not None
+    if layout.split is not None:
+        from hp_models.train_pipeline import PipelinedModel
+
+        return PipelinedModel(model, layout, dense), coord[1] * dims.dp_shard + coord[2]
     if dims.tp > 1:
         parallelize_qwen3_5_tp(model, dense["tp"])
     if layout.uses_fsdp:
         dp_mesh = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
         apply_fsdp_qwen3_5(model, dp_mesh, reshard_after_forward=dims.reshard_after_forward,
                            sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
-    coord = dense.get_coordinate()
-    assert coord is not None
     return model, coord[1] * dims.dp_shard + coord[2]
 
 
@@ -243,6 +260,8 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
     Gradients are left in ``.grad`` for the optimizer: those of the global mean loss."""
     import torch
 
+    if layout.split is not None:
+        return model.train_step(dp_rank, ids, tgt)  # type: ignore[no-any-return]
     scale = layout.loss_scale()
     total = 0.0
     for micro in range(layout.accumulation):
@@ -310,7 +329,7 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
     if show:
         sys.stderr.write("\n")
     elapsed = time.perf_counter() - t0
-    nparams = sum(p.numel() for p in model.parameters())
+    nparams = getattr(model, "n_model_params", None) or sum(p.numel() for p in model.parameters())
     return {"losses": losses, "elapsed_s": elapsed, "tokens": tokens, "start_step": start, "nparams": nparams}
 
 

@@ -158,6 +158,10 @@ def load_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimiz
     if announce:
         print(plan.announcement(), file=sys.stderr, flush=True)
     state = _state(model, opt)
+    # This run's own parameter names per group: a pipeline stage saved only its own, and the
+    # saved lists are one rank's, so each rank names the parameters it holds (the trainer's one
+    # group holds every parameter of the model it trains).
+    own_params = [list(g["params"]) for g in state["optim"]["param_groups"]]
     try:
         manifest = load_checkpoint(state, path)
     except CheckpointError as e:
@@ -171,6 +175,8 @@ def load_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimiz
         )
     if extra.get("data_position") != step:
         raise CheckpointError(f"checkpoint {path}: data position {extra.get('data_position')} is not its step {step}")
+    for group, names in zip(state["optim"]["param_groups"], own_params):
+        group["params"] = names
     set_optimizer_state_dict(model, opt, state["optim"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
     return step, [float(x) for x in extra["losses"]]

@@ -14,6 +14,11 @@ exchanged on the first step and cached (a later step with other shapes is refuse
 waited at the end of the step; with ``overlap_p2p`` the receive of the next transfer is posted
 ahead, while this one's compute runs.
 
+Data parallelism inside a stage: a stage module with FSDP2's controls (``fully_shard``'s
+``set_requires_gradient_sync`` and ``set_reshard_after_backward``) has both turned off for the
+backward of every microbatch but its last, so its gradients accumulate locally and are reduced
+once per step, and its gathered parameters are not freed between microbatches.
+
 Failure: an exception on any rank during a step is posted on the rendezvous store; a rank
 waiting for a transfer sees it within milliseconds and raises ``PipelineAbortedError`` naming
 the failed rank and its error; every rank then joins one agreement so none is left waiting.
@@ -85,6 +90,15 @@ class PipelineSchedule:
         self._step = 0
         self._shapes: dict[int, tuple[tuple[int, ...], str]] = {}  # edge v -> v+1: (shape, dtype)
         self._tied: list[tuple[str, list[int]]] | None = None
+        if self.kind is ScheduleKind.ZERO_BUBBLE:
+            for s in stages:
+                if _grad_sync_controls(s.module) is not None:
+                    raise PipelineConfigError(
+                        f"stage {s.stage_index}'s module is sharded with fully_shard, whose gradient reduction "
+                        f"runs when a parameter's gradient is complete; ScheduleZeroBubble splits backward into "
+                        f"input- and weight-gradient passes, which it does not follow yet: use Schedule1F1B or "
+                        f"ScheduleInterleaved1F1B"
+                    )
 
     # ----- public -----
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> None:
@@ -142,6 +156,7 @@ class PipelineSchedule:
         posted: dict[Action, tuple[Any, Any]] = {}
         acts = self.plan.rank_actions(self.pp_rank)
         recvs = [i for i, a in enumerate(acts) if a.kind.is_recv]
+        backwards = {v: 0 for v in self._stages}
         for idx, a in enumerate(acts):
             v, mb = a.stage, a.microbatch
             k = a.kind
@@ -179,6 +194,8 @@ class PipelineSchedule:
                 out = outputs[(v, mb)]
                 grad = grads.pop((v, mb), None) if v < last else None
                 leaves = inputs[(v, mb)]
+                self._before_backward(self._stages[v], last_one=backwards[v] == m - 1)
+                backwards[v] += 1
                 if k is ActionKind.B:
                     in_grads = P.backward(out, grad, leaves)
                     del outputs[(v, mb)], inputs[(v, mb)]
@@ -205,6 +222,17 @@ class PipelineSchedule:
                 grads[(v, mb)] = self._receive(a, idx, acts, recvs, posted, outputs, abort, key)
         for h in sends:
             self._wait(h, abort, key)
+
+    @staticmethod
+    def _before_backward(stage: PipelineStage, *, last_one: bool) -> None:
+        """A data-parallel-sharded stage (a module with FSDP2's controls) reduces its gradients
+        once per step, in the backward of its last microbatch; before it, they accumulate locally
+        and the gathered parameters stay gathered for the next microbatch."""
+        controls = _grad_sync_controls(stage.module)
+        if controls is not None:
+            sync, reshard = controls
+            sync(last_one)
+            reshard(last_one)
 
     def _split(self, value: Any, what: str) -> list[Any]:
         m = self.n_microbatches
@@ -337,6 +365,16 @@ class PipelineSchedule:
                 P.add_(total, mine if r == self.pp_rank else bufs[r])
             for g in local:
                 P.copy_(g, total)
+
+
+def _grad_sync_controls(module: Any) -> tuple[Callable[[bool], None], Callable[[bool], None]] | None:
+    """FSDP2's ``set_requires_gradient_sync`` and ``set_reshard_after_backward`` of ``module``,
+    when it has them (a ``fully_shard`` module of any backend), else None."""
+    sync = getattr(module, "set_requires_gradient_sync", None)
+    reshard = getattr(module, "set_reshard_after_backward", None)
+    if callable(sync) and callable(reshard):
+        return sync, reshard
+    return None
 
 
 class ScheduleGPipe(PipelineSchedule):

@@ -4,7 +4,12 @@ from hp_models.qwen3_5.config import Qwen3_5Config, reference_config, tiny_confi
 from hp_models.qwen3_5.fsdp import apply_fsdp_qwen3_5
 from hp_models.qwen3_5.model import Qwen3_5ForCausalLM
 from hp_models.qwen3_5.parallelize import check_tp_size, parallelize_qwen3_5_tp
-from hp_models.qwen3_5.pipeline import Qwen3_5Stage, pipeline_qwen3_5, split_qwen3_5
+from hp_models.qwen3_5.pipeline import (
+    Qwen3_5Stage,
+    parallelize_qwen3_5_stages,
+    pipeline_qwen3_5,
+    split_qwen3_5,
+)
 from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
 from hp_protocols import ModelSpec, register_model_spec
 
@@ -18,6 +23,7 @@ MODEL_SPEC = register_model_spec(
 )
 
 __all__ = [
-    "MODEL_SPEC", "Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5Stage", "pipeline_qwen3_5", "split_qwen3_5", "Qwen3_5StateDictAdapter", "apply_fsdp_qwen3_5",
-    "check_tp_size", "parallelize_qwen3_5_tp", "reference_config", "tiny_config",
+    "MODEL_SPEC", "Qwen3_5Config", "Qwen3_5ForCausalLM", "Qwen3_5Stage", "Qwen3_5StateDictAdapter",
+    "apply_fsdp_qwen3_5", "check_tp_size", "parallelize_qwen3_5_stages", "parallelize_qwen3_5_tp", "pipeline_qwen3_5",
+    "reference_config", "split_qwen3_5", "tiny_config",
 ]

@@ -100,8 +100,13 @@ def parallelize_qwen3_5_tp(
             use_local_output=False,
         ),
     }
-    parallelize_module(model, tp_mesh, top)
-    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+    # A pipeline stage (``Qwen3_5Stage``) holds only some of the embedding, final norm and head.
+    body, head = model.model, getattr(model, "lm_head", None)
+    present = {"model.embed_tokens": hasattr(body, "embed_tokens"), "model.norm": hasattr(body, "norm"),
+               "lm_head": head is not None}
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items() if present[k]})
+    if (config.tie_word_embeddings and head is not None and hasattr(body, "embed_tokens")
+            and head.weight is not body.embed_tokens.weight):
         # Both styles split the vocab rows (Shard(0)), so the tie is kept as one DTensor parameter;
         # a model whose tie was already broken before this call is refused rather than trained apart.
         raise ValueError(
@@ -109,7 +114,8 @@ def parallelize_qwen3_5_tp(
             "parallelize_qwen3_5_tp; re-tie them (model.lm_head.weight = model.model.embed_tokens.weight) "
             "before parallelizing"
         )
-    for layer in model.model.layers:
+    layers = body.layers.values() if isinstance(body.layers, torch.nn.ModuleDict) else body.layers
+    for layer in layers:
         plan: dict[str, ParallelStyle] = {
             "input_layernorm": norm(),
             "post_attention_layernorm": norm(),

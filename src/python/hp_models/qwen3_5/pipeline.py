@@ -6,6 +6,14 @@ decoder layers ``split.layers[v]`` on stage ``v`` (held under their original ind
 names are those of the whole model), the final norm and ``lm_head`` on the last stage.  With
 ``tie_word_embeddings`` the first and last stages each hold a copy of the shared matrix, declared
 as the tied parameter ``embed_tokens`` so the schedule sums their gradients after backward.
+
+On the dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` each stage module is then
+parallelized on its own (``parallelize_qwen3_5_stages``): the Qwen3.5 tensor-parallel plan
+inside it, then ``fully_shard`` of its layers and of the stage (FSDP, or HSDP with replicas).
+Between stages under TP the sequence-sharded activation travels as this rank's local shard and
+is wrapped back into a ``Shard(1)`` DTensor on arrival.  A tied embedding keeps one layout on
+both ends (vocab rows split over tp, then over the data-parallel ranks), so the pipeline's sum
+of the two copies' gradients adds matching shards.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_dtensor import DeviceMesh
-from hp_pp import PipelineStage, StageSplit
+from hp_dtensor import DeviceMesh, DTensor, Shard
+from hp_models.qwen3_5.fsdp import apply_fsdp_qwen3_5
+from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
+from hp_pp import PipelineConfigError, PipelineStage, StageSplit
 
 TIED = "embed_tokens"
 
@@ -42,19 +52,26 @@ class Qwen3_5Stage(nn.Module):
         if last:
             self.model.norm = full.model.norm
             self.lm_head = full.lm_head
+        # Under tensor parallelism: the mesh the sequence-sharded activations between stages live on.
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         body: Any = self.model
-        seq = x.shape[1]
         if self.first:
+            seq = x.shape[1]
             x = body.embed_tokens(x)
+        else:
+            if self.tp_mesh is not None:
+                x = DTensor.from_local(x, self.tp_mesh, [Shard(1)])
+            seq = x.shape[1]  # the whole sequence, also when sharded
         cos, sin = body.rotary_emb(seq, x.dtype)
         for layer in body.layers.values():
             x = layer(x, cos, sin)
         if self.last:
             head: Any = self.lm_head
-            x = head(body.norm(x))
-        return x
+            return head(body.norm(x))  # type: ignore[no-any-return]
+        # the next stage receives a plain tensor: this rank's shard of the sequence
+        return x.to_local() if isinstance(x, DTensor) else x
 
     def tied_parameters(self) -> dict[str, Any]:
         body: Any = self.model
@@ -78,15 +95,70 @@ def split_qwen3_5(model: Any, split: StageSplit, pp_rank: int) -> list[Qwen3_5St
     return [Qwen3_5Stage(model, split.layers[v], first=v == 0, last=v == last) for v in split.stages_of(pp_rank)]
 
 
+def _dim_size(mesh: DeviceMesh, name: str) -> int:
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(name)) if name in names else 1
+
+
+def parallelize_qwen3_5_stages(
+    stages: Sequence[Qwen3_5Stage],
+    mesh: DeviceMesh,
+    *,
+    reshard_after_forward: bool = False,
+    sum_gradients: bool = False,
+    cpu_offload: bool = False,
+) -> list[Qwen3_5Stage]:
+    """Tensor and data parallelism inside this rank's stage modules, in place, over the dense mesh
+    ``["pp", "dp_replicate", "fsdp", "tp"]`` (dims of size 1 or absent are skipped); returns them.
+
+    ``tp`` > 1: the Qwen3.5 plan (sequence parallel, vocab-sharded ``lm_head`` for loss parallel)
+    inside each stage.  ``dp_replicate * fsdp`` > 1: ``fully_shard`` of each layer and of each
+    stage over ``["dp_replicate", "fsdp"]`` (HSDP when ``dp_replicate`` > 1).  Under a pipeline
+    schedule the gradients are then reduced once per step, in the backward of each stage's last
+    microbatch, and ``reshard_after_forward=False`` (the default, as torchtitan under PP) keeps
+    each stage's parameters gathered from its first forward to its last backward: one all_gather
+    and one reduce_scatter per FSDP unit and step.  ``sum_gradients``: gradients summed over the
+    data-parallel ranks instead of averaged (scale the loss by ``1 / dp``).  Call it before wrapping
+    the modules in ``PipelineStage`` (the tied parameter it names must be the sharded one)."""
+    names = mesh.mesh_dim_names or ()
+    unknown = sorted(set(names) - {"pp", "dp_replicate", "fsdp", "tp"})
+    if unknown:
+        raise PipelineConfigError(
+            f"parallelize_qwen3_5_stages takes the dense mesh ['pp', 'dp_replicate', 'fsdp', 'tp']; this one has "
+            f"dims {list(names)} ({unknown} unknown)"
+        )
+    tp = _dim_size(mesh, "tp")
+    dp_replicate, fsdp = _dim_size(mesh, "dp_replicate"), _dim_size(mesh, "fsdp")
+    out = list(stages)
+    for stage in out:
+        if not isinstance(stage, Qwen3_5Stage):
+            raise TypeError(f"parallelize_qwen3_5_stages takes Qwen3_5Stage modules, got {type(stage).__name__}")
+        if tp > 1:
+            tp_mesh = mesh["tp"]
+            parallelize_qwen3_5_tp(stage, tp_mesh)
+            stage.tp_mesh = tp_mesh
+        if dp_replicate * fsdp > 1:
+            dp_mesh = mesh["dp_replicate", "fsdp"] if dp_replicate > 1 else mesh["fsdp"]
+            apply_fsdp_qwen3_5(stage, dp_mesh, reshard_after_forward=reshard_after_forward,
+                               sum_gradients=sum_gradients, cpu_offload=cpu_offload)
+    return out
+
+
 def pipeline_qwen3_5(model: Any, split: StageSplit, mesh: DeviceMesh, *, pp_dim: str = "pp",
-                     check_finite: bool = False) -> list[PipelineStage]:
-    """``PipelineStage`` objects for this rank's virtual stages of ``model`` over ``mesh``'s pp dim."""
+                     check_finite: bool = False, reshard_after_forward: bool = False,
+                     sum_gradients: bool = False, cpu_offload: bool = False) -> list[PipelineStage]:
+    """``PipelineStage`` objects for this rank's virtual stages of ``model`` over ``mesh``'s pp dim.
+    On the dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` the stage modules are first
+    parallelized by ``parallelize_qwen3_5_stages`` (the keyword arguments are its own)."""
     names = mesh.mesh_dim_names or ()
     dim = names.index(pp_dim) if mesh.ndim > 1 else 0
     pp_rank = mesh.get_local_rank(dim)
     if mesh.size(dim) != split.pp:
         raise ValueError(f"the split is for pp={split.pp} but the mesh's pp dim has {mesh.size(dim)} ranks")
     chunks = split_qwen3_5(model, split, pp_rank)
+    if mesh.ndim > 1:
+        parallelize_qwen3_5_stages(chunks, mesh, reshard_after_forward=reshard_after_forward,
+                                   sum_gradients=sum_gradients, cpu_offload=cpu_offload)
     return [
         PipelineStage(c, v, split.num_virtual, mesh, pp_dim=pp_dim, tied_parameters=c.tied_parameters(),
                       check_finite=check_finite)
