@@ -59,7 +59,8 @@ def bench(rank: int, world: int, kind: str, interleave: int, overlap: bool = Fal
         return full
 
     stages = pipeline_qwen3_5(fresh(), split, mesh)
-    ours = schedule_for(sk)(stages if sk.interleaved else stages[0], MICROBATCHES, _loss, overlap_p2p=overlap)
+    ours_cls: Any = schedule_for(sk)  # one stage, or the list of them when interleaved
+    ours = ours_cls(stages if sk.interleaved else stages[0], MICROBATCHES, _loss, overlap_p2p=overlap)
     chunks = split_qwen3_5(fresh(), split, rank)
     tstages = [tpp.PipelineStage(c, v, nv, torch.device("cpu"), group=mesh.get_group(0))
                for c, v in zip(chunks, split.stages_of(rank))]
