@@ -11,7 +11,9 @@
 #      layout loads into three others, in both formats, and a damaged file is refused;
 #   5. hp-cp + hp-dtensor[torch] alone in a fresh venv: 2-rank ring attention matches SDPA on the
 #      whole sequence;
-#   6. hp-protocols + hp-tp + hp-dtensor[mindspore] in a fresh venv (what MindFormers installs): no
+#   6. hp-pp + hp-dtensor[torch] alone in a fresh venv: a 2-rank pipeline (1F1B and interleaved
+#      1F1B) of an MLP matches one process, loss and gradients;
+#   7. hp-protocols + hp-tp + hp-dtensor[mindspore] in a fresh venv (what MindFormers installs): no
 #      torch, MindSpore is the platform, a JobConfig resolves into a mesh and a DTensor, and a
 #      protocol decoder trains with loss_parallel on 2 mccl ranks.
 # torch is constrained to the CPU wheel on disk (an unconstrained torch is a multi-GB CUDA build).
@@ -117,6 +119,21 @@ PY
 (cd "${work}" && timeout 300 "${work}/cp/bin/torchrun" --standalone --nproc-per-node 2 \
   "${root}/build-support/wheel_examples/cp_ring.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank ring attention example failed"
+
+stage "hp-pp + hp-dtensor[torch]"
+python3.11 -m venv "${work}/pp"
+"${work}/pp/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
+  -c "${work}/torch-constraint.txt" "$(whl hp_pp)" "$(whl hp_dtensor)[torch]"
+"${work}/pp/bin/python" - <<'PY'
+import importlib.metadata as md
+installed = {d.metadata["Name"].lower() for d in md.distributions()}
+first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
+assert first_party == ["hp-dtensor", "hp-pp"], first_party
+print(f"ok: installed {first_party} alone")
+PY
+(cd "${work}" && timeout 300 "${work}/pp/bin/torchrun" --standalone --nproc-per-node 2 \
+  "${root}/build-support/wheel_examples/pp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
+  || fail "the 2-rank pipeline example failed"
 
 stage "hp-protocols + hp-tp + hp-dtensor[mindspore]"
 mkdir -p "${cache}"

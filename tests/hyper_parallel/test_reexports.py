@@ -5,12 +5,13 @@
 import hp_dtensor
 import hp_ep
 import hp_fsdp
+import hp_pp
 import hp_tp
 import hyper_parallel
 
 
 def test_umbrella_exports_are_the_package_objects() -> None:
-    packages = (hp_tp, hp_fsdp, hp_ep, hp_dtensor)
+    packages = (hp_tp, hp_fsdp, hp_ep, hp_pp, hp_dtensor)
     for name in hyper_parallel.__all__:
         sources = [p for p in packages if name in p.__all__]
         assert sources, f"{name} is exported by the umbrella but by none of {[p.__name__ for p in packages]}"
@@ -26,3 +27,10 @@ def test_seven_styles_are_parallel_styles() -> None:
 
 def test_umbrella_has_no_protocol_symbols() -> None:
     assert not hasattr(hyper_parallel, "Configurable")
+
+
+def test_pipeline_api_is_reexported() -> None:
+    names = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleZeroBubble",
+             "split_layers", "PipelineConfigError"]
+    for name in names:
+        assert name in hyper_parallel.__all__ and getattr(hyper_parallel, name) is getattr(hp_pp, name), name

@@ -15,6 +15,7 @@ from hp_pp.runner import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZeroBubble,
+    StepStats,
 )
 from hp_pp.schedules import PipelinePlan, ScheduleKind, Simulation, build_plan, simulate, theoretical_bubble
 from hp_pp.split import StageSplit, split_layers, stage_rank
@@ -25,8 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Action", "ActionKind", "PipelineAbortedError", "PipelineConfigError", "PipelinePlan", "PipelineSchedule",
     "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleKind",
-    "ScheduleZeroBubble", "Simulation", "StageSplit", "build_plan", "schedule_for", "simulate", "split_layers",
-    "stage_rank", "theoretical_bubble",
+    "ScheduleZeroBubble", "Simulation", "StageSplit", "StepStats", "build_plan", "schedule_for", "simulate",
+    "split_layers", "stage_rank", "theoretical_bubble",
 ]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hp_pp.actions import Action, ActionKind
@@ -42,6 +43,21 @@ _ids = itertools.count()
 _TAG_META = 1 << 30
 _TAG_TIED = 1 << 29
 _ABORT_EVERY_S = 0.02
+
+
+@dataclass
+class StepStats:
+    """What one ``step`` did on this rank, counted by the runner as it ran: point-to-point
+    transfers of activations and gradients (``sends`` / ``recvs``), the one-time shape messages
+    and the tied-gradient exchanges apart, and the most forward outputs each virtual stage held at
+    once (``peak_activations``: a microbatch's output is held from its F until the B, or W, that
+    frees it)."""
+
+    sends: int = 0
+    recvs: int = 0
+    shape_messages: int = 0
+    tied_messages: int = 0
+    peak_activations: dict[int, int] = field(default_factory=dict)
 
 
 class PipelineSchedule:
@@ -99,6 +115,8 @@ class PipelineSchedule:
                         f"input- and weight-gradient passes, which it does not follow yet: use Schedule1F1B or "
                         f"ScheduleInterleaved1F1B"
                     )
+        self.last_step: StepStats | None = None
+        self._stats = StepStats()
 
     # ----- public -----
     def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> None:
@@ -106,6 +124,7 @@ class PipelineSchedule:
         Gradients accumulate into the parameters' ``.grad`` (zero them between steps)."""
         key = f"hp_pp/{self._id}/{self._step}"
         self._step += 1
+        self._stats = StepStats()
         abort = self._prims.abort_channel()
         error: BaseException | None = None
         try:
@@ -118,6 +137,7 @@ class PipelineSchedule:
                 abort.post(key, f"pp rank {self.pp_rank} (global rank {self.pp_ranks[self.pp_rank]}): "
                                 f"{type(e).__name__}: {e}")
         ok = self._prims.agree(error is None, self.group)
+        self.last_step = self._stats
         if error is not None:
             raise error
         if not ok:
@@ -157,6 +177,9 @@ class PipelineSchedule:
         acts = self.plan.rank_actions(self.pp_rank)
         recvs = [i for i, a in enumerate(acts) if a.kind.is_recv]
         backwards = {v: 0 for v in self._stages}
+        stats = self._stats
+        held = dict.fromkeys(self._stages, 0)
+        peak = stats.peak_activations = dict(held)
         for idx, a in enumerate(acts):
             v, mb = a.stage, a.microbatch
             k = a.kind
@@ -184,10 +207,13 @@ class PipelineSchedule:
                     arrived[(v + 1, mb)] = out
                 outputs[(v, mb)] = out
                 inputs[(v, mb)] = leaves
+                held[v] += 1
+                peak[v] = max(peak[v], held[v])
             elif k is ActionKind.SEND_F:
                 out = outputs[(v, mb)]
                 self._check_shape(v, out, sends, a.peer)
                 sends.append(P.isend(out, self.pp_ranks[a.peer], self.group, self._tag(a)))  # type: ignore[index]
+                stats.sends += 1
             elif k is ActionKind.RECV_F:
                 arrived[(v, mb)] = self._receive(a, idx, acts, recvs, posted, outputs, abort, key)
             elif k in (ActionKind.B, ActionKind.I):
@@ -199,6 +225,7 @@ class PipelineSchedule:
                 if k is ActionKind.B:
                     in_grads = P.backward(out, grad, leaves)
                     del outputs[(v, mb)], inputs[(v, mb)]
+                    held[v] -= 1
                 else:
                     in_grads = P.backward_input(out, grad, leaves)
                     weight_pending[(v, mb)] = (out, grad)
@@ -215,9 +242,11 @@ class PipelineSchedule:
                 out, grad = weight_pending.pop((v, mb))
                 P.backward_weight(out, grad, P.trainable_params(self._stages[v].module))
                 del outputs[(v, mb)], inputs[(v, mb)]
+                held[v] -= 1
             elif k is ActionKind.SEND_B:
                 sends.append(P.isend(sent_grads.pop((v, mb)), self.pp_ranks[a.peer], self.group,  # type: ignore[index]
                                      self._tag(a)))
+                stats.sends += 1
             elif k is ActionKind.RECV_B:
                 grads[(v, mb)] = self._receive(a, idx, acts, recvs, posted, outputs, abort, key)
         for h in sends:
@@ -268,6 +297,7 @@ class PipelineSchedule:
             assert peer is not None
             tag = _TAG_META + (self._epoch() * self.num_stages + v) % _TAG_TIED
             sends.append(P.send_shape(desc[0], desc[1], self.pp_ranks[peer], self.group, tag))
+            self._stats.shape_messages += 1
         elif known != desc:
             raise PipelineConfigError(
                 f"stage {v}'s output is {desc[1]} {list(desc[0])} but was {known[1]} {list(known[0])} on earlier "
@@ -304,11 +334,13 @@ class PipelineSchedule:
             if edge not in self._shapes:
                 tag = _TAG_META + (self._epoch() * self.num_stages + edge) % _TAG_TIED
                 meta, h, decode = P.recv_shape(peer, self.group, tag)
+                self._stats.shape_messages += 1
                 self._wait(h, abort, key)
                 self._shapes[edge] = decode(meta)
             shape, dtype = self._shapes[edge]
         else:
             shape, dtype = P.describe(outputs[(a.stage, a.microbatch)])
+        self._stats.recvs += 1
         return P.irecv(shape, dtype, peer, self.group, self._tag(a))
 
     def _wait(self, handle: Any, abort: Any, key: str) -> None:
@@ -358,6 +390,7 @@ class PipelineSchedule:
                     handles.append(P.isend(mine, self.pp_ranks[r], self.group, tag, kind="send_tied"))
                     bufs[r], h = P.irecv(shape, dtype, self.pp_ranks[r], self.group, tag, kind="recv_tied")
                     handles.append(h)
+                    self._stats.tied_messages += 2
             for h in handles:
                 self._wait(h, abort, key)
             total = P.zeros_like(mine)

@@ -1,6 +1,7 @@
 """hyper-parallel: declare how a model is split across devices.
 
-The umbrella package: it re-exports the public API of the hp_* packages and holds no logic.
+The umbrella package: it re-exports the public API of the hp_* packages (tensor parallelism, FSDP,
+expert parallelism, pipeline parallelism, the DTensor layer) and holds no logic.
 """
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ from hp_fsdp import (
     clip_grads_with_norm_,
     fully_shard,
     get_total_norm,
+)
+from hp_pp import (
+    PipelineAbortedError,
+    PipelineConfigError,
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleKind,
+    ScheduleZeroBubble,
+    StageSplit,
+    StepStats,
+    build_plan,
+    schedule_for,
+    split_layers,
 )
 from hp_tp import (
     ColwiseParallel,
@@ -63,4 +80,7 @@ __all__ = [
     "CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
     "clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm",
     "ExpertParallel",
+    "PipelineAbortedError", "PipelineConfigError", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
+    "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleKind", "ScheduleZeroBubble", "StageSplit", "StepStats",
+    "build_plan", "schedule_for", "split_layers",
 ]
