@@ -73,67 +73,41 @@ PY
   "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank TP example failed"
 
-stage "hp-fsdp + hp-dtensor[torch]"
-python3.11 -m venv "${work}/fsdp"
-"${work}/fsdp/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
-  -c "${work}/torch-constraint.txt" "$(whl hp_fsdp)" "$(whl hp_dtensor)[torch]"
-"${work}/fsdp/bin/python" - <<'PY'
+# wheel_alone VENV EXPECTED WHAT EXAMPLE [EXAMPLE_ARG...] -- REQUIREMENT...
+# Installs the requirements alone in the fresh venv ${work}/VENV, checks that exactly the
+# first-party distributions EXPECTED (comma-separated, sorted) and no MindSpore came in, then runs
+# the 2-rank wheel_examples/EXAMPLE under torchrun from outside the source tree.
+wheel_alone() {
+  local venv="${work}/$1" expected="$2" what="$3" example="$4"
+  shift 4
+  local example_args=()
+  while [[ "$1" != "--" ]]; do example_args+=("$1"); shift; done
+  shift
+  stage "${expected//,/ + } alone"
+  python3.11 -m venv "${venv}"
+  "${venv}/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
+    -c "${work}/torch-constraint.txt" "$@"
+  "${venv}/bin/python" - "${expected}" <<'PY'
 import importlib.metadata as md
-installed = {d.metadata["Name"].lower() for d in md.distributions()}
-first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
-assert first_party == ["hp-dtensor", "hp-fsdp"], first_party
-print(f"ok: installed {first_party} alone")
-PY
-(cd "${work}" && timeout 300 "${work}/fsdp/bin/torchrun" --standalone --nproc-per-node 2 \
-  "${root}/build-support/wheel_examples/fsdp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
-  || fail "the 2-rank fully_shard example failed"
+import sys
 
-stage "hp-checkpoint + hp-dtensor[torch]"
-python3.11 -m venv "${work}/ckpt"
-"${work}/ckpt/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
-  -c "${work}/torch-constraint.txt" "$(whl hp_checkpoint)[torch]" "$(whl hp_dtensor)[torch]"
-"${work}/ckpt/bin/python" - <<'PY'
-import importlib.metadata as md
 installed = {d.metadata["Name"].lower() for d in md.distributions()}
 first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
-assert first_party == ["hp-checkpoint", "hp-dtensor"], first_party
-assert "mindspore" not in installed, "hp-checkpoint[torch] pulled mindspore"
+assert first_party == sys.argv[1].split(","), first_party
+assert "mindspore" not in installed, "a torch install pulled mindspore"
 print(f"ok: installed {first_party} alone")
 PY
-(cd "${work}" && timeout 300 "${work}/ckpt/bin/torchrun" --standalone --nproc-per-node 2 \
-  "${root}/build-support/wheel_examples/checkpoint_reshard.py" "${work}/ckpt-out" 2>&1 \
-  | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
-  || fail "the 2-rank checkpoint reshard example failed"
+  (cd "${work}" && timeout 300 "${venv}/bin/torchrun" --standalone --nproc-per-node 2 \
+    "${root}/build-support/wheel_examples/${example}" "${example_args[@]}" 2>&1 \
+    | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
+    || fail "the 2-rank ${what} example failed"
+}
 
-stage "hp-cp + hp-dtensor[torch]"
-python3.11 -m venv "${work}/cp"
-"${work}/cp/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
-  -c "${work}/torch-constraint.txt" "$(whl hp_cp)" "$(whl hp_dtensor)[torch]"
-"${work}/cp/bin/python" - <<'PY'
-import importlib.metadata as md
-installed = {d.metadata["Name"].lower() for d in md.distributions()}
-first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
-assert first_party == ["hp-cp", "hp-dtensor"], first_party
-print(f"ok: installed {first_party} alone")
-PY
-(cd "${work}" && timeout 300 "${work}/cp/bin/torchrun" --standalone --nproc-per-node 2 \
-  "${root}/build-support/wheel_examples/cp_ring.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
-  || fail "the 2-rank ring attention example failed"
-
-stage "hp-pp + hp-dtensor[torch]"
-python3.11 -m venv "${work}/pp"
-"${work}/pp/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
-  -c "${work}/torch-constraint.txt" "$(whl hp_pp)" "$(whl hp_dtensor)[torch]"
-"${work}/pp/bin/python" - <<'PY'
-import importlib.metadata as md
-installed = {d.metadata["Name"].lower() for d in md.distributions()}
-first_party = sorted(n for n in installed if n.startswith("hp-") or n == "hyper-parallel")
-assert first_party == ["hp-dtensor", "hp-pp"], first_party
-print(f"ok: installed {first_party} alone")
-PY
-(cd "${work}" && timeout 300 "${work}/pp/bin/torchrun" --standalone --nproc-per-node 2 \
-  "${root}/build-support/wheel_examples/pp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
-  || fail "the 2-rank pipeline example failed"
+wheel_alone fsdp hp-dtensor,hp-fsdp "fully_shard" fsdp_mlp.py -- "$(whl hp_fsdp)" "$(whl hp_dtensor)[torch]"
+wheel_alone ckpt hp-checkpoint,hp-dtensor "checkpoint reshard" checkpoint_reshard.py "${work}/ckpt-out" -- \
+  "$(whl hp_checkpoint)[torch]" "$(whl hp_dtensor)[torch]"
+wheel_alone cp hp-cp,hp-dtensor "ring attention" cp_ring.py -- "$(whl hp_cp)" "$(whl hp_dtensor)[torch]"
+wheel_alone pp hp-dtensor,hp-pp "pipeline" pp_mlp.py -- "$(whl hp_pp)" "$(whl hp_dtensor)[torch]"
 
 stage "hp-protocols + hp-tp + hp-dtensor[mindspore]"
 mkdir -p "${cache}"
