@@ -106,9 +106,12 @@ class PipelineSchedule:
         self._step = 0
         self._shapes: dict[int, tuple[tuple[int, ...], str]] = {}  # edge v -> v+1: (shape, dtype)
         self._tied: list[tuple[str, list[int]]] | None = None
+        # FSDP2's controls of each data-parallel-sharded stage module, looked up once
+        self._dp_controls = {v: c for v, s in self._stages.items()
+                             if (c := _grad_sync_controls(s.module)) is not None}
         if self.kind is ScheduleKind.ZERO_BUBBLE:
             for s in stages:
-                if _grad_sync_controls(s.module) is not None:
+                if s.stage_index in self._dp_controls:
                     raise PipelineConfigError(
                         f"stage {s.stage_index}'s module is sharded with fully_shard, whose gradient reduction "
                         f"runs when a parameter's gradient is complete; ScheduleZeroBubble splits backward into "
@@ -220,7 +223,7 @@ class PipelineSchedule:
                 out = outputs[(v, mb)]
                 grad = grads.pop((v, mb), None) if v < last else None
                 leaves = inputs[(v, mb)]
-                self._before_backward(self._stages[v], last_one=backwards[v] == m - 1)
+                self._before_backward(v, last_one=backwards[v] == m - 1)
                 backwards[v] += 1
                 if k is ActionKind.B:
                     in_grads = P.backward(out, grad, leaves)
@@ -252,12 +255,11 @@ class PipelineSchedule:
         for h in sends:
             self._wait(h, abort, key)
 
-    @staticmethod
-    def _before_backward(stage: PipelineStage, *, last_one: bool) -> None:
+    def _before_backward(self, v: int, *, last_one: bool) -> None:
         """A data-parallel-sharded stage (a module with FSDP2's controls) reduces its gradients
         once per step, in the backward of its last microbatch; before it, they accumulate locally
         and the gathered parameters stay gathered for the next microbatch."""
-        controls = _grad_sync_controls(stage.module)
+        controls = self._dp_controls.get(v)
         if controls is not None:
             sync, reshard = controls
             sync(last_one)
