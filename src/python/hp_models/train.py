@@ -128,15 +128,16 @@ def parse_args(argv: list[str] | None = None) -> Args:
     )
 
 
-def load_config(args: Args) -> Any:
+def load_config(args: Args, raw: dict[str, Any] | None = None) -> Any:
     """The model config: ``tiny`` (with the job's ``model.num_hidden_layers`` when it names one:
-    the pipeline examples use deeper tiny models) or a HF config.json."""
+    the pipeline examples use deeper tiny models) or a HF config.json.  ``raw``: the job file
+    already read, if the caller has it."""
     from hp_models.qwen3_5 import Qwen3_5Config, tiny_config
 
     if args.config == "tiny":
         layers = None
         if args.job is not None:
-            facts = read_job_file(args.job).get("model") or {}
+            facts = (raw if raw is not None else read_job_file(args.job)).get("model") or {}
             layers = facts.get("num_hidden_layers") if isinstance(facts, dict) else None
         return tiny_config(num_hidden_layers=layers) if isinstance(layers, int) and layers > 0 else tiny_config()
     return Qwen3_5Config.from_json_file(args.config)
@@ -162,7 +163,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: {where}--nproc {args.nproc} disagrees with the launcher's ranks; drop --nproc")
     try:
         raw = read_job_file(args.job) if args.job is not None else None
-        config = load_config(args)
+        config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
         check_tp_size(config, layout.tp)
     except (FileNotFoundError, ValueError) as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -88,8 +89,6 @@ class PipelinedModel(nn.Module):
         args = [torch.cat([ids[r] for r in rows])] if self._first else []
         target = torch.cat([tgt[r] for r in rows]) if self._last else None
         self.schedule.step(*args, target=target)
-        import torch.distributed as dist
-
         # The last stage's ranks hold the losses (each rank of a TP group the same ones): the sum
         # over every rank is tp times the sum over the data-parallel ranks' microbatches.
         total = torch.tensor([float(sum(float(x) for x in self._losses))], dtype=torch.float64)
