@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hp_cp import ContextParallel, document_ids
-from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state, upcast
+from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state, compute_dtype, upcast
 from hp_models.qwen3_5.model import Attention, GatedDeltaNet, Qwen3_5ForCausalLM, TextModel, local
 
 
@@ -90,7 +90,7 @@ def gated_delta_net_cp(
     beta = layer.in_proj_b(x).sigmoid()
     g = -upcast(local(layer.A_log)).exp() * F.softplus(upcast(layer.in_proj_a(x)) + local(layer.dt_bias))
     hv = v.shape[2]
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32  # the recurrence's dtype
+    acc = compute_dtype(v.dtype)  # the recurrence's dtype
 
     def run(row: int, lo: int, hi: int, vals: torch.Tensor, init: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         sl = slice(lo, hi)

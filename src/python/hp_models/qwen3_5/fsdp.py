@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from hp_dtensor import DeviceMesh
 from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hp_models.qwen3_5.model import decoder_layers
 
 
 def apply_fsdp_qwen3_5(
@@ -31,9 +30,7 @@ def apply_fsdp_qwen3_5(
     parameters gathered until backward, as in FSDP2).  ``sum_gradients``: reduce gradients by sum
     instead of mean over the data-parallel ranks; the caller then scales the loss."""
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    layers = model.model.layers
-    # a pipeline stage keeps its layers by their index in the whole model (a ModuleDict)
-    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+    for layer in decoder_layers(model.model):
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,

@@ -13,10 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype norms and the recurrence compute in: fp32 for fp32 and lower precision, fp64
     kept (a float64 model computes in float64 throughout, for references)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its ``compute_dtype`` (itself when already there)."""
+    return x.to(compute_dtype(x.dtype))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -32,6 +32,13 @@ def local(t: Any, *, partial_grad: bool = False) -> torch.Tensor:
     return t
 
 
+def decoder_layers(body: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a text model in order, also of a pipeline stage's body, which keeps
+    its layers under their index in the whole model (a ``ModuleDict``)."""
+    layers: Any = body.layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
 class RMSNorm(Module):
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + weight)``, computed in fp32."""
 

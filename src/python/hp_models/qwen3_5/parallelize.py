@@ -19,6 +19,7 @@ import torch
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard
 from hp_dtensor.platform import current as _platform
 from hp_models.qwen3_5.config import Qwen3_5Config
+from hp_models.qwen3_5.model import decoder_layers
 from hp_tp import (
     ColwiseParallel,
     NoParallel,
@@ -114,8 +115,7 @@ def parallelize_qwen3_5_tp(
             "parallelize_qwen3_5_tp; re-tie them (model.lm_head.weight = model.model.embed_tokens.weight) "
             "before parallelizing"
         )
-    layers = body.layers.values() if isinstance(body.layers, torch.nn.ModuleDict) else body.layers
-    for layer in layers:
+    for layer in decoder_layers(body):
         plan: dict[str, ParallelStyle] = {
             "input_layernorm": norm(),
             "post_attention_layernorm": norm(),
