@@ -251,11 +251,7 @@ def resolve(job: JobConfig, world_size: int) -> ParallelDims:
     # EP
     if p.moe_token_dispatcher_type not in _DISPATCHERS:
         raise ValueError(f"moe_token_dispatcher_type must be one of {_DISPATCHERS}, got {p.moe_token_dispatcher_type!r}")
-    if (dp_shard * cp * tp) % ep != 0:
-        raise ValueError(
-            f"expert_parallel {ep} must divide dp_shard*cp*tp = {dp_shard}*{cp}*{tp} = {dp_shard * cp * tp} "
-            f"(efsdp = dp_shard*cp*tp // ep must be a positive integer)"
-        )
+    # (ep dividing dp_shard*cp*tp is ParallelDims' own rule, checked when it is built below)
     if p.moe_token_dispatcher_type == "alltoall_deredundancy" and ep < p.npu_nums_per_device:
         raise ValueError(
             f"moe_token_dispatcher_type alltoall_deredundancy needs expert_parallel ({ep}) >= "
