@@ -103,7 +103,8 @@ class ContextParallel:
     def gather_chunks(self, per_chunk: Tensor) -> Tensor:
         """Small per-chunk values of every rank in sequence order: ``per_chunk`` stacks one entry
         per chunk this rank holds (dim 0, storage order); returns (n_chunks, ...) with entry ``c``
-        belonging to chunk ``c`` of the sequence.  One all-gather per CP mesh dim; differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
+        belonging to chunk ``c`` of the sequence.  One all-gather per CP mesh dim;
+        differentiable.  Used for what crosses chunk boundaries (a convolution's halo, a
         recurrent state's transition)."""
         gathered = per_chunk
         # innermost dim first: on a (ring, ulysses) mesh the rows then come in row-major rank order

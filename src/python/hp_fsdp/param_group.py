@@ -204,8 +204,9 @@ class FSDPParamGroup:
     def post_backward(self) -> None:
         """Start reducing the unsharded gradients into the sharded parameters' ``.grad`` (unless
         gradient sync is off: they then accumulate unsharded until a step that syncs), then
-        reshard (unless ``reshard_after_backward`` is off).  The reduce_scatter runs while backward goes on; ``finish_reduce`` completes it
-        (the root calls it when the next group starts one, and at the end of backward)."""
+        reshard (unless ``reshard_after_backward`` is off).  The reduce_scatter runs while
+        backward goes on; ``finish_reduce`` completes it (the root calls it when the next group
+        starts one, and at the end of backward)."""
         self.in_backward = False
         if self.reduce_grads:
             self._start_reduce()
