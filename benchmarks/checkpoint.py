@@ -2,7 +2,11 @@
 the atomic sharded path (each rank writes its own DCP shards, checksums, manifest, rename; load
 verifies every checksum first) against the old path (full weights gathered to rank 0 and
 written as HF safetensors, optimizer state as one ``torch.save`` file per rank; load reads the
-HF file's slices and each rank's optimizer file).
+HF file's slices and each rank's optimizer file), and against plain ``torch.distributed.checkpoint``
+(``dcp.save`` / ``dcp.load`` of the same state dict, no checksums, no manifest, no rename: the
+format's own speed, the anchor users compare with), and the framework-neutral
+``safetensors-shards`` format (``save_shards`` / ``load_shards``: as atomic and verified as the
+trainer's path, its candidate replacement).
 
 Printed per model size: seconds per GB-equivalent of state (model + AdamW moments, global fp32
 bytes), median of repeated saves/loads interleaved so machine noise hits both alike, and the
@@ -83,6 +87,33 @@ def _old_load(adapter: Any, model: Any, opt: Any, path: str, rank: int) -> None:
             }
 
 
+def _plain_load(dcp: Any, state_of: Any, model: Any, opt: Any, path: str) -> None:
+    """Plain ``dcp.load`` into the trainer's state dict (its model entries are the parameters
+    themselves), then the optimizer state back into the optimizer, as the trainer's load does."""
+    from hp_checkpoint.dcp import set_optimizer_state_dict
+
+    state = state_of(model, opt)
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _shards_save(save_shards: Any, state: dict[str, Any], root: str, step: int, rank: int) -> None:
+    """``save_shards`` keeping only the newest step, as the trainer's ``keep=1`` does."""
+    from hp_checkpoint import prune
+
+    save_shards(state, root, step)
+    if rank == 0:
+        prune(root, 1)
+
+
+def _shards_load(load_shards: Any, state_of: Any, model: Any, opt: Any, root: str, step: int) -> None:
+    from hp_checkpoint.dcp import set_optimizer_state_dict
+
+    state = state_of(model, opt)
+    load_shards(state, os.path.join(root, f"step-{step:08d}"))
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
 def _timed(fn: Any) -> float:
     import torch.distributed as dist
 
@@ -96,21 +127,30 @@ def _timed(fn: Any) -> float:
 def _bench(rank: int, world: int, overrides: dict[str, Any], folder: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
+    from hp_checkpoint import load_shards, save_shards
     from hp_models.qwen3_5 import Qwen3_5StateDictAdapter
-    from hp_models.train_checkpoint import load_train_state, save_train_state
+    from hp_models.train_checkpoint import _state, load_train_state, save_train_state
 
     config, model, opt = _build(overrides)
     adapter = Qwen3_5StateDictAdapter(config)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # params + 2 moments
-    times: dict[str, list[float]] = {"new save": [], "old save": [], "new load": [], "old load": []}
+    times: dict[str, list[float]] = {f"{path} {op}": [] for op in ("save", "load")
+                                     for path in ("new", "old", "dcp", "shards")}
     root = os.path.join(folder, "new")
     old = os.path.join(folder, "old")
+    plain = os.path.join(folder, "dcp")
+    shards = os.path.join(folder, "shards")
     want = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     for r in range(REPEATS):
         times["new save"].append(_timed(lambda step=r + 1: save_train_state(
             root, model, opt, step, [1.0], seed=0, keep=1, layout={"tp": 2})))
         times["old save"].append(_timed(lambda: _old_save(adapter, model, opt, old, rank)))
+        plain_r = f"{plain}-{r}"  # a fresh directory each repeat: dcp.save warns when it overwrites
+        times["dcp save"].append(_timed(lambda path=plain_r: dcp.save(_state(model, opt), checkpoint_id=path)))
+        times["shards save"].append(_timed(lambda step=r + 1: _shards_save(save_shards, _state(model, opt), shards,
+                                                                           step, rank)))
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()
@@ -121,7 +161,20 @@ def _bench(rank: int, world: int, overrides: dict[str, Any], folder: str) -> dic
                 p.zero_()
         times["old load"].append(_timed(lambda: _old_load(adapter, model, opt, old, rank)))
         ok_old = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
-        assert ok_new and ok_old, (ok_new, ok_old)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        times["dcp load"].append(_timed(lambda path=plain_r: _plain_load(dcp, _state, model, opt, path)))
+        ok_dcp = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        times["shards load"].append(_timed(lambda step=r + 1: _shards_load(load_shards, _state, model, opt,
+                                                                           shards, step)))
+        ok_shards = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
+        assert ok_new and ok_old and ok_dcp and ok_shards, (ok_new, ok_old, ok_dcp, ok_shards)
+        if rank == 0:
+            shutil.rmtree(plain_r, ignore_errors=True)
     dist.barrier()
     return {"bytes": nbytes, "times": times}
 
@@ -130,8 +183,8 @@ def main() -> None:
     cores = os.cpu_count()
     print(f"checkpoint save/load, 2 gloo ranks (tp=2), {cores} cores, median of {REPEATS}; s/GB = seconds per GB "
           f"of model + AdamW state")
-    print(f"{'model':30s} {'GB':>6s} {'new save':>10s} {'old save':>10s} {'ratio':>6s} "
-          f"{'new load':>10s} {'old load':>10s} {'ratio':>6s}")
+    print(f"{'model':28s} {'GB':>6s} {'new save':>9s} {'old':>6s} {'dcp':>6s} {'shards':>6s} {'old/new':>7s} "
+          f"{'dcp/new':>7s} {'new load':>9s} {'old':>6s} {'dcp':>6s} {'shards':>6s} {'old/new':>7s} {'dcp/new':>7s}")
     with RankPool(2, timeout=1200) as pool:
         for name, overrides in SIZES.items():
             folder = tempfile.mkdtemp(prefix="hp-ckpt-bench-")
@@ -141,11 +194,13 @@ def main() -> None:
                 shutil.rmtree(folder, ignore_errors=True)
             gb = r0["bytes"] / 1e9
             med = {k: statistics.median(v) / gb for k, v in r0["times"].items()}
-            print(f"{name:30s} {gb:6.3f} {med['new save']:10.2f} {med['old save']:10.2f} "
-                  f"{med['old save'] / med['new save']:5.2f}x {med['new load']:10.2f} {med['old load']:10.2f} "
-                  f"{med['old load'] / med['new load']:5.2f}x")
-    print("ratio = old / new (above 1: the atomic sharded path is faster). The new save also fsyncs and "
-          "checksums every file; the new load verifies every checksum before reading.")
+            cols = []
+            for op in ("save", "load"):
+                new, old_, dcp_, sh = (med[f"{path} {op}"] for path in ("new", "old", "dcp", "shards"))
+                cols.append(f"{new:9.2f} {old_:6.2f} {dcp_:6.2f} {sh:6.2f} {old_ / new:6.2f}x {dcp_ / new:6.2f}x")
+            print(f"{name:28s} {gb:6.3f} {' '.join(cols)}")
+    print("ratios above 1: the trainer's atomic path (new) is faster. Unlike old and plain dcp, new and shards fsync "
+          "and checksum every file and commit by rename, and their loads verify every checksum before reading.")
 
 
 if __name__ == "__main__":

@@ -244,6 +244,8 @@ def _bad_load(rank: int, world: int, root: str) -> dict[str, tuple[str, str]]:
         "tensor_for_object": _attempt(lambda: load({"step": torch.zeros(())}, path)),
         "partial_save": _attempt(lambda: save({"layer.acc": partial}, os.path.join(root, "partial"))),
         "partial_load": _attempt(lambda: load({"layer.weight": partial}, path)),
+        # each rank plans its own reads: a target wrong on rank 2 alone still fails on every rank
+        "one_rank_wrong": _attempt(lambda: load({"layer.weight": fresh((6, 5)) if rank == 2 else fresh()}, path)),
     }
     # a non-strict load of what exists still works after the failures
     ok = fresh()
@@ -261,6 +263,7 @@ def test_bad_loads_fail_on_every_rank_naming_the_tensor(pool4: RankPool, tmp_pat
         "tensor_for_object": ("step", "Python object"),
         "partial_save": ("layer.acc", "Partial"),
         "partial_load": ("layer.weight", "Partial"),
+        "one_rank_wrong": ("rank 2", "layer.weight", "(6, 5)"),
     }
     for case, words in expect.items():
         for rank, r in enumerate(results):

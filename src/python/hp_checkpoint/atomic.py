@@ -114,7 +114,7 @@ def save_checkpoint(
     crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     error: str | None = None
     try:
-        mine = file_entries(stage, written)
+        mine = file_entries(stage, written, fsync=False)  # the writer fsynced each file it wrote
     except OSError as e:
         mine, error = {}, describe_os_error(e, f"checkpoint save to {root}: rank {rank} cannot checksum its files")
     # every rank's tensors: ranks may hold different names (the stages of a pipeline)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -82,16 +82,18 @@ def _one_process_is_intended() -> Iterator[None]:
         yield
 
 
-def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any) -> CheckpointError:
+def _reraise(exc: CheckpointException, what: str, checkpoint_id: Any, rank: int | None = None) -> CheckpointError:
     """DCP gathers every rank's failure and raises the same ``CheckpointException`` (a
-    ``BaseException``) everywhere; turn it into one ``CheckpointError`` naming the first failure."""
+    ``BaseException``) everywhere; turn it into one ``CheckpointError`` naming the first failure.
+    ``rank``: the rank that ran a one-process DCP call (whose own numbering says 0)."""
     failures = exc.failures
     first = min(failures)
     err = failures[first]
     inner = err[0] if isinstance(err, tuple) else err
+    where = f"on rank {rank}" if rank is not None else f"on ranks {sorted(failures)}"
     if isinstance(inner, OSError):  # a full or read-only disk: name the file and what to do
-        return CheckpointError(describe_os_error(inner, f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}"))
-    return CheckpointError(f"{what} {checkpoint_id!s} failed on ranks {sorted(failures)}: {inner}")
+        return CheckpointError(describe_os_error(inner, f"{what} {checkpoint_id!s} failed {where}"))
+    return CheckpointError(f"{what} {checkpoint_id!s} failed {where}: {inner}")
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: Any) -> None:
@@ -106,7 +108,13 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
     """``dcp.load`` in place into ``state_dict`` (each DTensor reads only its own slice, whatever
     layout saved it), after checking keys, global shapes and dtypes; raises ``CheckpointError``
     on every rank naming the first offending tensor.  ``strict=False`` skips keys the checkpoint
-    lacks."""
+    lacks.
+
+    Each rank plans and reads on its own: a load's global plan is every rank's local plan
+    unchanged, so DCP's planning collectives would only pickle every read item to the coordinator
+    and back.  One small gather of the outcomes afterwards raises a failure on every rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failure: str | None = None
     try:
         with _one_process_is_intended():
             dcp.load(
@@ -114,10 +122,18 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
                 checkpoint_id=checkpoint_id,
                 storage_reader=FastFileSystemReader(checkpoint_id),
                 planner=CheckedLoadPlanner(allow_partial_load=not strict),
-                no_dist=not dist.is_initialized(),
+                no_dist=True,
             )
     except CheckpointException as e:
-        raise _reraise(e, "checkpoint load from", checkpoint_id) from None
+        failure = str(_reraise(e, "checkpoint load from", checkpoint_id, rank))
+    except CheckpointError as e:
+        failure = str(e)
+    if dist.is_initialized():
+        failures: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise CheckpointError(failure)
 
 
 class _RecordingWriter(FileSystemWriter):
@@ -139,6 +155,19 @@ class _RecordingWriter(FileSystemWriter):
         self.written.add(".metadata")  # the coordinator's index of every rank's items
 
 
+def _caching_planner(group: Any) -> DefaultSavePlanner:
+    """DCP's save planner with plan caching: a rank whose local plan is the one of its last save
+    (a trainer saving the same state dict every few steps) sends an empty plan, and the
+    coordinator scatters only what changed, instead of pickling every item's metadata through
+    the object collectives each save.  DCP keys its cache by planner class; the key here adds the
+    group's ranks so that saves over different groups in one process never share a cache."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    ranks = "world" if group is None or not dist.is_initialized() else ",".join(
+        str(r) for r in dist.get_process_group_ranks(group))
+    planner._cached_plans_key = f"{type(planner).__name__}[{ranks}]"
+    return planner
+
+
 def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list[str]:
     """``save`` into ``directory`` (DCP's collectives on ``group``, default the world); returns
     the paths (relative to it) of the files this rank wrote, each fsynced, once every rank has
@@ -146,7 +175,8 @@ def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list
     writer = _RecordingWriter(directory)
     try:
         with _one_process_is_intended():
-            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized(),
+                     planner=_caching_planner(group))
     except CheckpointException as e:
         raise _reraise(e, "checkpoint save to", directory) from None
     return sorted(writer.written)
