@@ -30,8 +30,13 @@ from torch import nn
 from hp_cp import ContextParallel, CPMethod, MaskCompression, actual_seq_len_from_eod, check_seq_len
 from hp_dtensor import DeviceMesh, init_device_mesh
 from hp_models.job import TrainLayout
-from hp_models.qwen3_5 import Qwen3_5Config, apply_fsdp_qwen3_5, parallelize_qwen3_5_tp
-from hp_models.qwen3_5.context_parallel import cp_cross_entropy, parallelize_qwen3_5_cp
+from hp_models.qwen3_5 import (
+    Qwen3_5Config,
+    apply_fsdp_qwen3_5,
+    cp_cross_entropy,
+    parallelize_qwen3_5_cp,
+    parallelize_qwen3_5_tp,
+)
 from hp_models.synthetic import eod_token
 
 
