@@ -102,8 +102,13 @@ def run_model_case(rank: int, world: int, case: ModelCase) -> dict:
 
     from hp_cp import ContextParallel, ContextParallelConfig, CPMethod, MaskCompression
     from hp_dtensor import CommDebugMode
-    from hp_models.qwen3_5 import parallelize_qwen3_5_tp, tiny_config
-    from hp_models.qwen3_5 import cp_cross_entropy, parallelize_qwen3_5_cp, sum_cp_gradients
+    from hp_models.qwen3_5 import (
+        cp_cross_entropy,
+        parallelize_qwen3_5_cp,
+        parallelize_qwen3_5_tp,
+        sum_cp_gradients,
+        tiny_config,
+    )
 
     cp_mesh, tp_mesh = _meshes(world, case)
     cp = ContextParallel(cp_mesh, ContextParallelConfig(
@@ -250,8 +255,7 @@ def run_fsdp_case(rank: int, world: int, case: ModelCase) -> dict:
 
     from hp_cp import ContextParallel, ContextParallelConfig, CPMethod, MaskCompression
     from hp_dtensor import init_device_mesh
-    from hp_models.qwen3_5 import apply_fsdp_qwen3_5, tiny_config
-    from hp_models.qwen3_5 import cp_cross_entropy, parallelize_qwen3_5_cp
+    from hp_models.qwen3_5 import apply_fsdp_qwen3_5, cp_cross_entropy, parallelize_qwen3_5_cp, tiny_config
 
     dp = world // case.cp
     mesh = init_device_mesh("cpu", (dp, case.cp), mesh_dim_names=("dp_shard", "cp"))

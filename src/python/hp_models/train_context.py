@@ -107,6 +107,8 @@ class _Part(nn.Module):
 class ContextParallelModel(nn.Module):
     """The whole model under context parallelism on this rank (see the module's docstring)."""
 
+    _whole: Any  # the parallelized whole model, called by ``forward`` (its parts are the children)
+
     def __init__(self, model: Any, layout: TrainLayout, dense: DeviceMesh) -> None:
         super().__init__()
         dims = layout.dims
@@ -132,7 +134,7 @@ class ContextParallelModel(nn.Module):
         if not layout.sum_gradients:
             # average over the data-parallel ranks only: each CP rank holds a share of one gradient
             model.set_gradient_divide_factor(float(layout.dp))
-        object.__setattr__(self, "_whole", model)  # called, not registered: its parts are, below
+        object.__setattr__(self, "_whole", model)  # not registered as a child: its parts are, below
         self.model = model.model
         self.lm_head = model.lm_head
 
