@@ -3,7 +3,8 @@
 """Qwen3.5 (hybrid Gated DeltaNet and gated full attention) under context parallelism on 4 gloo
 ranks against one process on the whole sequence with the same weights: loss, every parameter's
 gradient and the weights after each of 3 AdamW steps, for colossal and ulysses at cp=2, colossal
-at cp=2 x tp=2 (the TP plan, sequence parallel off), ulysses and hybrid at cp=4.  The data is
+at cp=2 x tp=2 (the TP plan, sequence parallel off), ulysses and hybrid at cp=4, and colossal and
+ulysses at cp=2 x dp_shard=2 under FSDP over the 4 ``dp_shard * cp`` ranks.  The data is
 packed documents (EOD): every rank holds several documents, positions restart per document, and
 the one-process reference runs each document alone (attention and the DeltaNet state never cross
 a document).  Collectives are counted per attention layer."""
@@ -101,8 +102,13 @@ def run_model_case(rank: int, world: int, case: ModelCase) -> dict:
 
     from hp_cp import ContextParallel, ContextParallelConfig, CPMethod, MaskCompression
     from hp_dtensor import CommDebugMode
-    from hp_models.qwen3_5 import parallelize_qwen3_5_tp, tiny_config
-    from hp_models.qwen3_5.context_parallel import cp_cross_entropy, parallelize_qwen3_5_cp, sum_cp_gradients
+    from hp_models.qwen3_5 import (
+        cp_cross_entropy,
+        parallelize_qwen3_5_cp,
+        parallelize_qwen3_5_tp,
+        sum_cp_gradients,
+        tiny_config,
+    )
 
     cp_mesh, tp_mesh = _meshes(world, case)
     cp = ContextParallel(cp_mesh, ContextParallelConfig(
@@ -233,5 +239,99 @@ def test_qwen3_5_under_cp_equals_one_process(pool4: RankPool, name: str) -> None
         assert min(docs) >= 2 * 2, docs  # several documents in each of a rank's two chunks
     print(f"Qwen3.5 {name}: 3 AdamW steps on {case.batch}x{case.seq} tokens over {len(results)} ranks, "
           f"documents per rank (row 0) {docs}; attention layer fwd {attn_f}, DeltaNet layer fwd {delta_f}; "
+          f"worst relative difference loss {worst['loss']:.2e}, grads {worst['grad']:.2e}, "
+          f"weights {worst['param']:.2e}")
+
+
+def run_fsdp_case(rank: int, world: int, case: ModelCase) -> dict:
+    """cp x dp_shard on ``world`` ranks, FSDP over the flattened ``dp_shard * cp`` ranks (``fsdp``,
+    the CP ranks innermost) with summed gradients: each data-parallel rank takes its rows of the
+    batch, each CP rank its share of their sequence; the loss of a rank's rows is weighted by its
+    share of the batch's counted tokens, so the summed gradients are those of the whole batch's
+    mean loss on one process."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hp_cp import ContextParallel, ContextParallelConfig, CPMethod, MaskCompression
+    from hp_dtensor import init_device_mesh
+    from hp_models.qwen3_5 import apply_fsdp_qwen3_5, cp_cross_entropy, parallelize_qwen3_5_cp, tiny_config
+
+    dp = world // case.cp
+    mesh = init_device_mesh("cpu", (dp, case.cp), mesh_dim_names=("dp_shard", "cp"))
+    fsdp = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    cp = ContextParallel(mesh["cp"], ContextParallelConfig(
+        degree=case.cp, method=CPMethod.parse(case.method), ulysses_degree=case.ulysses,
+        compression=MaskCompression.EOD if case.eod else MaskCompression.CAUSAL,
+    ))
+    cfg = tiny_config(chunk_size=8, full_attention_interval=2, hidden_size=128, intermediate_size=256, vocab_size=512,
+                      head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+    torch.manual_seed(case.seed)
+    ref = cfg.build().double()
+    ref.init_weights()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model = copy.deepcopy(ref)
+    parallelize_qwen3_5_cp(model, cp)
+    apply_fsdp_qwen3_5(model, fsdp, sum_gradients=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def rel(got, want) -> float:
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+        return float(((got - want).abs() / (want.abs() + ATOL / RTOL)).max())
+
+    d = mesh.get_local_rank("dp_shard")
+    per = case.batch // dp
+    rows = slice(d * per, (d + 1) * per)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    sharded = 0
+    for step in range(3):
+        ids, labels, actual = _batch(case, step, cfg.vocab_size)
+        ref_logits = _reference_logits(ref, ids, actual)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+
+        mine = labels[rows]
+        weight = float((mine != -100).sum()) / float((labels != -100).sum())
+        logits = model(cp.split(ids[rows], dim=1), actual_seq_len=actual[rows] if actual else None)
+        loss = cp_cross_entropy(logits, cp.split(mine, dim=1), cp) * weight
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.get_group("dp_shard"))
+        worst["loss"] = max(worst["loss"], rel(total, ref_loss.detach()))
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            sharded += int(p.grad.placements[0].is_shard())
+            try:
+                worst["grad"] = max(worst["grad"], rel(p.grad.full_tensor(), q.grad))
+            except AssertionError as e:
+                raise AssertionError(f"step {step} grad {name}: {e}") from None
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            try:
+                worst["param"] = max(worst["param"], rel(p.detach().full_tensor(), q.detach()))
+            except AssertionError as e:
+                raise AssertionError(f"step {step} param {name}: {e}") from None
+    return {"worst": worst, "sharded": sharded, "params": len(list(model.parameters()))}
+
+
+FSDP_CASES = {
+    "colossal_cp2_dp_shard2_fsdp4": ModelCase(cp=2, method="colossal", batch=4, seed=7),
+    "ulysses_cp2_dp_shard2_fsdp4_causal": ModelCase(cp=2, method="ulysses", eod=False, batch=4, seed=8),
+}
+
+
+@pytest.mark.parametrize("name", list(FSDP_CASES))
+def test_qwen3_5_cp_times_dp_shard_under_fsdp_equals_one_process(pool4: RankPool, name: str) -> None:
+    case = FSDP_CASES[name]
+    results = pool4.run(run_fsdp_case, case)
+    for r in results:  # every parameter sharded over dp_shard * cp, its gradient too
+        assert r["sharded"] == 3 * r["params"], r
+    worst = {k: max(r["worst"][k] for r in results) for k in results[0]["worst"]}
+    print(f"Qwen3.5 {name}: 3 AdamW steps on {case.batch}x{case.seq} tokens, dp_shard 2 x cp 2, FSDP over 4 ranks; "
           f"worst relative difference loss {worst['loss']:.2e}, grads {worst['grad']:.2e}, "
           f"weights {worst['param']:.2e}")

@@ -3,19 +3,21 @@ sections, overridden by command-line flags, resolved into the numbers the traine
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
-yet (context and expert parallelism), a pipeline split or microbatch count the schedules cannot
-run (with ``hp_pp``'s messages), and a global batch that the data-parallel ranks and
-accumulation steps would not consume exactly, so no run trains on a batch other than the one
-asked for.  Under pipeline parallelism the accumulation steps are the microbatches.
+yet (expert parallelism, context parallelism inside a pipeline), a pipeline split or microbatch
+count the schedules cannot run (with ``hp_pp``'s messages), and a global batch that the
+data-parallel ranks and accumulation steps would not consume exactly, so no run trains on a batch
+other than the one asked for.  Under pipeline parallelism the accumulation steps are the
+microbatches.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_pp import StageSplit, split_layers
 from hp_protocols import JobConfig
 from hp_protocols.parallelism import ParallelDims
@@ -25,7 +27,6 @@ DEFAULT_TP = 2  # without a job file: the README's main job
 
 # Degrees the config accepts but this trainer does not build yet: (field, what it is).
 _NOT_BUILT = (
-    ("context_parallel", "context parallelism"),
     ("expert_parallel", "expert parallelism"),
 )
 
@@ -37,6 +38,7 @@ class Overrides:
     tp: int | None = None
     dp_shard: int | None = None
     pp: int | None = None
+    cp: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
 
@@ -61,6 +63,9 @@ class TrainLayout:
     reshard_after_forward_policy: str
     split: StageSplit | None = None  # the layers of each virtual stage, under pipeline parallelism
     overlap_p2p: bool = False
+    # context parallelism's method and mask compression (degree 1: none; EOD compression: the
+    # data are packed documents, also without context parallelism)
+    context: ContextParallelConfig = ContextParallelConfig(compression=MaskCompression.NONE)
 
     @property
     def pp(self) -> int:
@@ -79,6 +84,10 @@ class TrainLayout:
         return self.dims.tp
 
     @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
     def dp(self) -> int:
         """Data-parallel ranks (replicas times shards): how many ways each step's batch is split."""
         return self.dims.data_parallel
@@ -91,8 +100,9 @@ class TrainLayout:
     @property
     def uses_fsdp(self) -> bool:
         """Gradients must be combined across data-parallel ranks: ``fully_shard`` does it (HSDP with
-        a shard group of one rank when only ``dp_replicate`` > 1)."""
-        return self.dp > 1
+        a shard group of one rank when only ``dp_replicate`` > 1); under context parallelism the
+        CP ranks shard the parameters too (the shard group is ``dp_shard * cp``)."""
+        return self.dp > 1 or self.cp > 1
 
     def loss_scale(self) -> float:
         """The factor each micro-step's mean loss is multiplied by before backward, so that the
@@ -119,11 +129,14 @@ class TrainLayout:
     def describe(self) -> str:
         d = self.dims
         pp = [f"pp={d.pp}" + (f" x interleave {self.interleave}" if self.interleave > 1 else "")] if d.pp > 1 else []
-        if self.dp == 1 and not pp:
+        c = self.context
+        cp = [f"cp={d.cp} {c.method.value}" + (f" (ulysses {d.ulysses_degree})" if c.method is CPMethod.HYBRID else "")
+              ] if d.cp > 1 else []
+        if self.dp == 1 and not pp and not cp:
             return f"tp={d.tp}"
         dp = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + (
             [f"dp_shard={d.dp_shard}"] if self.dp > 1 else [])
-        return f"{', '.join(pp + dp + [f'tp={d.tp}'])} on {d.world_size} ranks"
+        return f"{', '.join(pp + dp + cp + [f'tp={d.tp}'])} on {d.world_size} ranks"
 
     def as_dict(self) -> dict[str, Any]:
         d = self.dims
@@ -136,6 +149,8 @@ class TrainLayout:
         if d.pp > 1:  # (a layout without pipelining reads as before)
             out.update({"pp": d.pp, "interleave": self.interleave,
                         "stage_layers": [list(layers) for layers in self.split.layers] if self.split else None})
+        if d.cp > 1:
+            out.update({"cp": d.cp, "cp_method": self.context.method.value, "ulysses_degree": d.ulysses_degree})
         return out
 
 
@@ -177,6 +192,8 @@ def plan(
         par["tensor_parallel"] = overrides.tp
     if overrides.dp_shard is not None:
         par["data_parallel_shard"] = overrides.dp_shard
+    if overrides.cp is not None:
+        par["context_parallel"] = overrides.cp
     if overrides.pp is not None:
         par["pipeline_parallel"] = overrides.pp
         if overrides.pp > 1:
@@ -203,7 +220,7 @@ def plan(
         # hp_pp's split: its messages suggest the explicit form when ``auto`` cannot divide
         split = split_layers(p.pipeline_parallel_layers_per_stage, model.num_hidden_layers, p.pipeline_parallel,
                              p.pipeline_parallel_interleave_num)
-    model_ranks = p.tensor_parallel * p.pipeline_parallel
+    model_ranks = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     if world_size is None:
         shard = p.data_parallel_shard
         world_size = model_ranks * (shard if isinstance(shard, int) and shard > 0 else 1)
@@ -232,10 +249,34 @@ def plan(
             f"{gbs} // ({dims.data_parallel} * {lbs}) = {dims.num_accumulation_steps}) to be a multiple of "
             f"pipeline_parallel {dims.pp}; change global_batch_size or local_batch_size"
         )
+    if dims.cp > 1 and dims.pp > 1:
+        raise ValueError(
+            f"context_parallel {dims.cp} with pipeline_parallel {dims.pp}: context parallelism inside a pipeline "
+            f"is not built in this trainer yet; set pipeline_parallel: 1 (or context_parallel: 1)"
+        )
     return TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
-        overlap_p2p=p.pipeline_parallel_overlap_p2p,
+        overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims),
+    )
+
+
+def _context(config: JobConfig, dims: ParallelDims) -> ContextParallelConfig:
+    """The context-parallel settings of a resolved job.  Packed documents (the data's
+    ``create_compressed_eod_mask``) take the EOD mask even when the model also compresses the
+    causal one: attention must not cross a document."""
+    p = config.parallelism
+    if config.data.create_compressed_eod_mask:
+        compression = MaskCompression.EOD
+    elif config.model.use_attn_mask_compression:
+        compression = MaskCompression.CAUSAL
+    else:
+        compression = MaskCompression.NONE
+    method = CPMethod.parse(p.context_parallel_method)
+    return ContextParallelConfig(
+        degree=dims.cp, method=method, async_comm=p.context_parallel_async,
+        ulysses_degree=dims.ulysses_degree if method is not CPMethod.COLOSSAL else None,
+        mask_type=p.context_parallel_mask_type, compression=compression,
     )
 
 
@@ -253,5 +294,7 @@ def _model_facts(facts: dict[str, Any], model: ModelSizes) -> dict[str, Any]:
 def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
     """The same global batch on one process, in one forward per step: the reference run."""
     g = layout.global_batch_size
-    return plan(None, Overrides(tp=1, dp_shard=1, pp=1, global_batch_size=g, local_batch_size=g), model,
-                world_size=1)
+    one = plan(None, Overrides(tp=1, dp_shard=1, pp=1, cp=1, global_batch_size=g, local_batch_size=g), model,
+               world_size=1)
+    # the same data: packed documents stay packed (and attend within each document)
+    return replace(one, context=ContextParallelConfig(compression=layout.context.compression))

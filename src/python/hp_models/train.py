@@ -7,7 +7,9 @@ reshard_after_forward_policy, disable_gradient_division, global_batch_size, loca
 flags given on the command line override it.  With ``pipeline_parallel`` (``--pp``) > 1 the layers
 are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overlap_p2p) with TP and
 FSDP inside each, and the accumulation micro-steps are the pipeline's microbatches
-(``hp_models.train_pipeline``).  World = pp * dp_replicate * dp_shard * tp ranks; each
+(``hp_models.train_pipeline``).  With ``context_parallel`` (``--cp``) > 1 each sequence is split
+over the CP ranks (colossal, ulysses or hybrid; ``hp_models.train_context``) and FSDP shards over
+``dp_shard * cp``; a job whose data set ``create_compressed_eod_mask`` trains on packed documents.  World = pp * dp_replicate * dp_shard * tp ranks; each
 data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
 writes ``loss.png`` and ``log.json`` to ``--out-dir``.
@@ -38,6 +40,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from hp_cp.config import MaskCompression
 from hp_models.job import (
     DEFAULT_GLOBAL_BATCH_SIZE,
     ModelSizes,
@@ -71,6 +74,7 @@ class Args:
     seed: int
     compare_single: bool
     overwrite: bool = False
+    cp: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -83,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline_parallel: stages the layers are split over (layers_per_stage 'auto' unless the "
                         "job lists them); the accumulation steps are the microbatches")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context_parallel: ranks each sequence is split over (the job's context_parallel_method; "
+                        "CP needs a compressed mask: the job's model.use_attn_mask_compression or "
+                        "train_dataset.dataloader.config.create_compressed_eod_mask)")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (world size); default: data_parallel_shard * tp * pp, or tp * pp when "
                         "data_parallel_shard is -1; more ranks than that make replicas (HSDP). Under torchrun: "
@@ -109,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
-    for name in ("tp", "pp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
+    for name in ("tp", "pp", "cp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -124,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
-        overwrite=ns.overwrite,
+        overwrite=ns.overwrite, cp=ns.cp,
     )
 
 
@@ -148,13 +156,14 @@ def model_sizes(config: Any) -> ModelSizes:
 
 
 def overrides(args: Args) -> Overrides:
-    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, global_batch_size=args.batch_size,
+    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, global_batch_size=args.batch_size,
                      local_batch_size=args.local_batch_size)
 
 
 def check_args(args: Args) -> tuple[Any, TrainLayout]:
     """Everything that can be wrong before any rank starts; exits with a message saying what to change."""
     from hp_models.qwen3_5 import check_tp_size
+    from hp_models.train_context import check_context
 
     env_world = os.environ.get("WORLD_SIZE")
     world = int(env_world) if env_world is not None else args.nproc
@@ -166,9 +175,10 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
         check_tp_size(config, layout.tp)
-    except (FileNotFoundError, ValueError) as e:
+        check_context(layout, config, args.seq_len)
+    except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")
-    if args.seq_len % layout.tp:
+    if layout.cp == 1 and args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
     check_checkpoint_dir(args, config, layout)
     return config, layout
@@ -242,6 +252,11 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
     dense, _ = dims.build_mesh("cpu")  # (pp, dp_replicate, fsdp, tp)
     coord = dense.get_coordinate()
     assert coord is not None
+    if layout.cp > 1:
+        from hp_models.train_context import ContextParallelModel
+
+        cp_model = ContextParallelModel(model, layout, dense)
+        return cp_model, cp_model.dp_rank
     if layout.split is not None:
         from hp_models.train_pipeline import PipelinedModel
 
@@ -261,7 +276,7 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
     Gradients are left in ``.grad`` for the optimizer: those of the global mean loss."""
     import torch
 
-    if layout.split is not None:
+    if layout.split is not None or layout.cp > 1:
         return model.train_step(dp_rank, ids, tgt)  # type: ignore[no-any-return]
     scale = layout.loss_scale()
     total = 0.0
@@ -270,7 +285,12 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
         if layout.uses_fsdp:
             # Only the last micro-step's backward reduces the gradients; before it they accumulate locally.
             model.set_requires_gradient_sync(micro == layout.accumulation - 1)
-        total += _forward_backward(model, ids[rows], tgt[rows], scale, tp_loss=tp_loss)
+        batch = (ids[rows], tgt[rows])
+        if layout.context.compression is MaskCompression.EOD:  # packed documents: attention stays inside each
+            from hp_models.train_context import documents_as_rows
+
+            batch = documents_as_rows(*batch, model.config.vocab_size, multiple=layout.tp)
+        total += _forward_backward(model, *batch, scale, tp_loss=tp_loss)
     if layout.dp == 1:
         return total / layout.accumulation
     import torch.distributed as dist
@@ -316,7 +336,8 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
     t0 = time.perf_counter()
     tokens = 0
     for step in range(start, args.steps):
-        ids, tgt = synthetic.batch(args.seed, step, layout.global_batch_size, args.seq_len, config.vocab_size)
+        data = synthetic.packed_batch if layout.context.compression is MaskCompression.EOD else synthetic.batch
+        ids, tgt = data(args.seed, step, layout.global_batch_size, args.seq_len, config.vocab_size)
         opt.zero_grad()
         value = train_step(model, layout, dp_rank, ids, tgt, tp_loss=distributed and layout.tp > 1)
         opt.step()

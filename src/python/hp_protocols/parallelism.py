@@ -305,8 +305,8 @@ def _check_cp(p: ParallelismConfig, m: ModelFacts, d: DataFacts, cp: int) -> int
         if not (m.use_attn_mask_compression or eod_ok):
             raise ValueError(
                 "Context parallel (context_parallel > 1) requires a compressed attention mask. Please enable "
-                "use_attn_mask_compression for non-eod data, or create_compressed_eod_mask for eod data "
-                "(with create_attention_mask: false)."
+                "use_attn_mask_compression for non-eod data, or create_compressed_eod_mask for eod data. "
+                "(create_compressed_eod_mask goes with create_attention_mask: false.)"
             )
     return ulysses
 
