@@ -65,8 +65,14 @@ class _Block:
 
 
 def _blocks(plan: RingPlan, step: int, doc_ids: torch.Tensor | None, dtype: torch.dtype) -> list[_Block]:
-    """The blocks step ``step`` computes, with their masks (the same list forward and backward)."""
+    """The blocks step ``step`` computes, with their masks (the same list forward and backward):
+    one kernel call for the whole step where the plan's blocks tile a rectangle (without
+    documents), else one per block."""
     mine, theirs = plan.segments[plan.index], plan.segments[plan.source(step)]
+    if doc_ids is None:
+        whole = _one_call(plan, step)
+        if whole is not None:
+            return [whole]
     qoff = _offsets(mine)
     koff = _offsets(theirs)
     out = []
@@ -98,6 +104,30 @@ def _blocks(plan: RingPlan, step: int, doc_ids: torch.Tensor | None, dtype: torc
         out.append(_Block(qoff[qi], ql, koff[ki], kl, causal, mask, live))
         assert (qo, ko) == (qoff[qi], koff[ki])
     return out
+
+
+def _one_call(plan: RingPlan, step: int) -> _Block | None:
+    """The step's blocks as one kernel call, where they allow it.  Own keys (step 0) over segments
+    in increasing position order: the kernel's causal flag on the concatenation is the causal
+    mask by position (a later local index is a later position).  Any other step whose blocks
+    are all unmasked and cover contiguous query rows times contiguous key rows: one unmasked
+    call over that rectangle (with the load-balanced split every step is one of these)."""
+    mine, theirs = plan.segments[plan.index], plan.segments[plan.source(step)]
+    if step == 0:
+        ascending = all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+        total = sum(seg.length for seg in mine)
+        return _Block(0, total, 0, total, True, None, None) if ascending else None
+    blocks = plan.blocks(step)
+    if not blocks or any(kind is not BlockKind.FULL for *_, kind in blocks):
+        return None
+    qsegs = sorted({b[4] for b in blocks})
+    ksegs = sorted({b[5] for b in blocks})
+    if (len(blocks) != len(qsegs) * len(ksegs) or qsegs != list(range(qsegs[0], qsegs[-1] + 1))
+            or ksegs != list(range(ksegs[0], ksegs[-1] + 1))):
+        return None
+    qoff, koff = _offsets(mine), _offsets(theirs)
+    return _Block(qoff[qsegs[0]], sum(mine[i].length for i in qsegs), koff[ksegs[0]],
+                  sum(theirs[i].length for i in ksegs), False, None, None)
 
 
 def _offsets(segments: tuple[Segment, ...]) -> list[int]:
@@ -203,13 +233,14 @@ def _ring_forward(
         for blk in _blocks(plan, step, doc_ids, acc):
             qs, ks = slice(blk.qo, blk.qo + blk.ql), slice(blk.ko, blk.ko + blk.kl)
             b_out, b_lse = _flash(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], blk, scale)
-            seg = qoff.index(blk.qo)
-            if not seen[seg]:
+            covered = [i for i, o in enumerate(qoff) if blk.qo <= o < blk.qo + blk.ql]
+            if not any(seen[i] for i in covered):
                 out[:, :, qs] = b_out
                 lse[:, :, qs] = b_lse
-                seen[seg] = True
-            else:
-                _merge(out[:, :, qs], lse[:, :, qs], b_out, b_lse, doc_ids is None)
+            else:  # rows not seen yet hold lse -inf: the guarded merge takes them as they come
+                _merge(out[:, :, qs], lse[:, :, qs], b_out, b_lse, doc_ids is None and all(seen[i] for i in covered))
+            for i in covered:
+                seen[i] = True
         if step + 1 < n:
             if pending is None:
                 pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
