@@ -213,14 +213,26 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
+def _fold_in(out: torch.Tensor, lse: torch.Tensor, rows: slice, blk_out: torch.Tensor, blk_lse: torch.Tensor,
+             seen: list[bool], no_documents: bool) -> None:
+    """Put a block's result into ``out``/``lse`` at ``rows``: copied where none of its query
+    segments has a result yet, merged where all have (rows not seen yet hold lse -inf, which the
+    guarded merge takes as it comes)."""
+    if not any(seen):
+        out[:, :, rows] = blk_out
+        lse[:, :, rows] = blk_lse
+    else:
+        _merge(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse, no_documents and all(seen))
+
+
 def _ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan, scale: float,
     doc_ids: torch.Tensor | None, async_comm: bool, group: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     qf = q.to(acc)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    out: torch.Tensor | None = None  # allocated unless the first call covers every row
+    lse: torch.Tensor | None = None
     seen = [False] * len(plan.segments[plan.index])  # whether a query segment has any block merged yet
     qoff = _offsets(plan.segments[plan.index])
     kv = torch.stack([k, v])
@@ -234,17 +246,20 @@ def _ring_forward(
             qs, ks = slice(blk.qo, blk.qo + blk.ql), slice(blk.ko, blk.ko + blk.kl)
             b_out, b_lse = _flash(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], blk, scale)
             covered = [i for i, o in enumerate(qoff) if blk.qo <= o < blk.qo + blk.ql]
-            if not any(seen[i] for i in covered):
-                out[:, :, qs] = b_out
-                lse[:, :, qs] = b_lse
-            else:  # rows not seen yet hold lse -inf: the guarded merge takes them as they come
-                _merge(out[:, :, qs], lse[:, :, qs], b_out, b_lse, doc_ids is None and all(seen[i] for i in covered))
+            if out is None and len(covered) == len(seen):  # the first call covers every row: its result
+                out, lse = b_out, b_lse
+            else:
+                if out is None or lse is None:
+                    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+                    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+                _fold_in(out, lse, qs, b_out, b_lse, [seen[i] for i in covered], doc_ids is None)
             for i in covered:
                 seen[i] = True
         if step + 1 < n:
             if pending is None:
                 pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
             kv = pending.wait()
+    assert out is not None and lse is not None, "the ring's first step covers every query row"
     return out, lse
 
 
@@ -254,9 +269,9 @@ def _ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     acc = out.dtype
     qf, do = q.to(acc), dout.to(acc)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq: torch.Tensor | None = None  # allocated unless the first call covers every query row
     kv = torch.stack([k, v])
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    dkv = kv  # replaced by the first step's gradients
     in_flight = None  # the gradient buffer's hop, overlapping the next step's compute
     n = plan.size
     for step in range(n):
@@ -269,13 +284,18 @@ def _ring_backward(
             qs, ks = slice(blk.qo, blk.qo + blk.ql), slice(blk.ko, blk.ko + blk.kl)
             gq, gk, gv = _flash_backward(do[:, :, qs], qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], out[:, :, qs],
                                          lse[:, :, qs], blk, scale)
-            dq[:, :, qs] += gq
+            if dq is None and blk.ql == q.shape[2]:  # the first call covers every query row
+                dq = gq
+            else:
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+                dq[:, :, qs] += gq
             local[0, :, :, ks] += gk
             local[1, :, :, ks] += gv
         if in_flight is not None:
             dkv = in_flight.wait()
             in_flight = None
-        dkv = dkv + local if step > 0 else local
+        dkv = local.add_(dkv) if step > 0 else local
         if n > 1:
             # the gradient buffer goes on with the keys/values it belongs to; after the last
             # step this hop brings every buffer home
@@ -287,6 +307,7 @@ def _ring_backward(
             if pending is None:
                 pending = _Exchange(kv, plan.next_rank, plan.prev_rank, _TAG_KV, group)
             kv = pending.wait()
+    assert dq is not None, "the ring's first step covers every query row"
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
