@@ -119,6 +119,19 @@ def run_attention_case(rank: int, world: int, case: AttnCase) -> dict:
     }
 
 
+def run_attention_case_unfused(rank: int, world: int, case: AttnCase) -> dict:
+    """``run_attention_case`` with every block computed by explicit matmuls, the path devices
+    without a fused flash kernel that returns the log-sum-exp take."""
+    from hp_cp.platform.torch import ring
+
+    fused = ring._FUSED_DEVICES
+    ring._FUSED_DEVICES = frozenset()
+    try:
+        return run_attention_case(rank, world, case)
+    finally:
+        ring._FUSED_DEVICES = fused
+
+
 def run_bad_input(rank: int, world: int, what: str) -> tuple[str, str]:
     """Build the misuse ``what`` and return the (exception type, message) it raised here."""
     try:

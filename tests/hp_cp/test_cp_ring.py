@@ -11,6 +11,7 @@ import pytest
 from cp_cases import (
     generate_cases,
     run_attention_case,
+    run_attention_case_unfused,
     run_bad_input,
     run_largest_tensor,
     run_reduce_loss_uneven,
@@ -53,6 +54,16 @@ def test_ring_matches_sdpa_on_the_whole_sequence(pool4: RankPool) -> None:
     n_gqa = sum(c.kv_heads < c.heads for c in cases)
     print(f"ring attention: {len(cases)} generated cases ({n_eod} EOD, {n_gqa} GQA, "
           f"{sum(c.cp == 4 for c in cases)} at cp=4); worst relative error {worst}")
+
+
+def test_ring_without_the_fused_kernel_matches_sdpa(pool4: RankPool) -> None:
+    cases = generate_cases(10, seed=2709, methods=(CPMethod.COLOSSAL,), world=4)
+    worst = 0.0
+    for case in cases:
+        worst = max(worst, *_check(pool4.run(run_attention_case_unfused, case), case).values())
+    print(f"ring attention, blocks as explicit matmuls: {len(cases)} generated cases "
+          f"({sum(c.eod for c in cases)} EOD, {sum(c.kv_heads < c.heads for c in cases)} GQA); "
+          f"worst relative error {worst:.1e}")
 
 
 def test_no_dense_mask_is_built(pool4: RankPool) -> None:
