@@ -3,7 +3,7 @@ sections, overridden by command-line flags, resolved into the numbers the traine
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
-yet (context and expert parallelism), a pipeline split or microbatch count the schedules cannot
+yet (context parallelism; for expert parallelism see ``hp_models.job_moe``), a pipeline split or microbatch count the schedules cannot
 run (with ``hp_pp``'s messages), and a global batch that the data-parallel ranks and
 accumulation steps would not consume exactly, so no run trains on a batch other than the one
 asked for.  Under pipeline parallelism the accumulation steps are the microbatches.
@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
 from hp_protocols import JobConfig
 from hp_protocols.parallelism import ParallelDims
@@ -26,7 +27,6 @@ DEFAULT_TP = 2  # without a job file: the README's main job
 # Degrees the config accepts but this trainer does not build yet: (field, what it is).
 _NOT_BUILT = (
     ("context_parallel", "context parallelism"),
-    ("expert_parallel", "expert parallelism"),
 )
 
 
@@ -37,6 +37,7 @@ class Overrides:
     tp: int | None = None
     dp_shard: int | None = None
     pp: int | None = None
+    ep: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
 
@@ -47,6 +48,7 @@ class ModelSizes:
 
     num_attention_heads: int
     num_hidden_layers: int
+    num_experts: int | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class TrainLayout:
     reshard_after_forward_policy: str
     split: StageSplit | None = None  # the layers of each virtual stage, under pipeline parallelism
     overlap_p2p: bool = False
+    moe: MoeSettings | None = None  # a mixture-of-experts model's expert-parallel settings
 
     @property
     def pp(self) -> int:
@@ -119,11 +122,12 @@ class TrainLayout:
     def describe(self) -> str:
         d = self.dims
         pp = [f"pp={d.pp}" + (f" x interleave {self.interleave}" if self.interleave > 1 else "")] if d.pp > 1 else []
+        ep = [f"ep={d.ep}"] if d.ep > 1 else []
         if self.dp == 1 and not pp:
-            return f"tp={d.tp}"
+            return ", ".join(ep + [f"tp={d.tp}"]) + (f" on {d.world_size} ranks" if ep else "")
         dp = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + (
             [f"dp_shard={d.dp_shard}"] if self.dp > 1 else [])
-        return f"{', '.join(pp + dp + [f'tp={d.tp}'])} on {d.world_size} ranks"
+        return f"{', '.join(pp + dp + ep + [f'tp={d.tp}'])} on {d.world_size} ranks"
 
     def as_dict(self) -> dict[str, Any]:
         d = self.dims
@@ -136,6 +140,8 @@ class TrainLayout:
         if d.pp > 1:  # (a layout without pipelining reads as before)
             out.update({"pp": d.pp, "interleave": self.interleave,
                         "stage_layers": [list(layers) for layers in self.split.layers] if self.split else None})
+        if d.ep > 1:
+            out.update({"ep": d.ep, "efsdp": d.efsdp})
         return out
 
 
@@ -181,6 +187,8 @@ def plan(
         par["pipeline_parallel"] = overrides.pp
         if overrides.pp > 1:
             par.setdefault("pipeline_parallel_layers_per_stage", "auto")
+    if overrides.ep is not None:
+        par["expert_parallel"] = overrides.ep
     if overrides.global_batch_size is not None:
         train["global_batch_size"] = overrides.global_batch_size
     if overrides.local_batch_size is not None:
@@ -216,6 +224,7 @@ def plan(
             micro = p.pipeline_parallel if per_rank % max(p.pipeline_parallel, 1) == 0 else 1
             config.training.local_batch_size = max(1, per_rank // micro)
     dims = config.resolve(world_size)
+    moe = check_moe_job(p, dims, model.num_experts)
     gbs, lbs = config.training.global_batch_size, config.training.local_batch_size
     assert gbs is not None and dims.num_accumulation_steps is not None
     consumed = dims.data_parallel * lbs * dims.num_accumulation_steps
@@ -235,7 +244,7 @@ def plan(
     return TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
-        overlap_p2p=p.pipeline_parallel_overlap_p2p,
+        overlap_p2p=p.pipeline_parallel_overlap_p2p, moe=moe,
     )
 
 
@@ -251,7 +260,11 @@ def _model_facts(facts: dict[str, Any], model: ModelSizes) -> dict[str, Any]:
 
 
 def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
-    """The same global batch on one process, in one forward per step: the reference run."""
+    """The same global batch on one process, in one forward per step: the reference run.  A
+    mixture-of-experts model keeps the run's forwards of ``local_batch_size`` samples instead (as
+    accumulation steps, over the same rows in the same order): its router loss is a statistic of
+    each forward's tokens, so a bigger forward would compute another loss."""
     g = layout.global_batch_size
-    return plan(None, Overrides(tp=1, dp_shard=1, pp=1, global_batch_size=g, local_batch_size=g), model,
-                world_size=1)
+    per_forward = layout.local_batch_size if model.num_experts is not None else g
+    return plan(None, Overrides(tp=1, dp_shard=1, pp=1, ep=1, global_batch_size=g, local_batch_size=per_forward),
+                model, world_size=1)
