@@ -60,10 +60,11 @@ def _single(argv: list[str], out: Path) -> dict[str, Any]:
     (EP_GT_TP, {"ep": 4, "efsdp": 1, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": True}),
 ], ids=["ep2xtp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2"])
 def test_ep_job_equals_one_process(pool4: RankPool, job: str | None, layout: dict[str, Any], tmp_path) -> None:
+    ranks = []  # an example names its ranks itself, as the README runs it
     if job is None:
         (tmp_path / "job.yaml").write_text(EP2_TP2)
-        job = str(tmp_path / "job.yaml")
-    argv = ["--job", job, "--nproc", "4", "--out-dir", str(tmp_path / "run"), *SHORT]
+        job, ranks = str(tmp_path / "job.yaml"), ["--nproc", "4"]
+    argv = ["--job", job, *ranks, "--out-dir", str(tmp_path / "run"), *SHORT]
     res = pool4.run(_run, argv)
     for key, value in layout.items():
         assert res[0]["layout"][key] == value, (key, res[0]["layout"])
