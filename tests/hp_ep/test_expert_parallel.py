@@ -6,7 +6,8 @@ Seeded generated cases (batch sizes including a rank with no tokens, top-k, skew
 send every token to one expert) check the MoE block's output, every gradient, exact token counts
 (what each rank sends and receives sums to tokens x top_k), the all-to-alls each forward and
 backward issues and their bytes.  The whole tiny MoE model is trained 3 AdamW steps at ep=2 and
-ep=4 and must equal one process.  Bad configurations raise the same error on every rank.
+ep=4 and must equal one process.  Bad configurations raise the same error on every rank, and so
+do token counts that one rank's caller got wrong (checked after the count exchange).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _layer_case(rank: int, world: int, seed: int) -> dict:
 
     from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
     from hp_ep import ExpertParallel
+    from hp_ep.dispatch import COUNT_HEADER
     from hp_models.qwen3_5_moe import SparseMoeBlock
     from hp_tp import parallelize_module
 
@@ -98,7 +100,8 @@ def _layer_case(rank: int, world: int, seed: int) -> dict:
     row = cfg.hidden_size * 4
     assert fwd.get_comm_counts() == {"all_to_all": 3}  # counts, dispatch, combine
     assert fwd.get_comm_bytes() == {
-        "all_to_all": cfg.num_experts * 8 + sum(plan.send_counts) * row + sum(plan.recv_counts) * row
+        "all_to_all": (cfg.num_experts + COUNT_HEADER * world) * 8 + sum(plan.send_counts) * row
+        + sum(plan.recv_counts) * row
     }
     assert bwd.get_comm_counts() == {"all_to_all": 2}, bwd.get_comm_counts()  # the two reverses
     assert bwd.get_comm_bytes() == {"all_to_all": sum(plan.send_counts) * row + sum(plan.recv_counts) * row}
@@ -257,6 +260,44 @@ def test_router_nan_propagates_as_in_one_process(pool2) -> None:
     assert sum(s["nan_rows"] for s in stats["token"]) == 1  # only the NaN token's output
     assert all(s["nan_rows"] == 6 for s in stats["weights"])  # every token on every rank
     print("\nrouter NaN: 2 cases (one NaN token, one NaN router row) propagate NaN exactly as one process")
+
+
+def _bad_counts_case(rank: int, world: int, bad_rank: int, kind: str) -> str:
+    """A hand-written caller passing counts that do not describe its tokens on ``bad_rank`` only:
+    every rank raises the same ``ValueError`` (none waits in a collective), and the next good
+    dispatch on the same group works."""
+    from hp_dtensor import init_device_mesh
+    from hp_ep import ExpertParallel
+    from hp_models.qwen3_5_moe import GroupedExperts
+    from hp_tp import parallelize_module
+
+    experts, hidden = 2 * world, 4
+    torch.manual_seed(0)
+    module = GroupedExperts(experts, hidden, 6)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    parallelize_module(module, mesh, ExpertParallel())
+    x = torch.randn(experts, hidden)
+    good = torch.ones(experts, dtype=torch.int64)
+    bad = {"length": torch.ones(experts - 1, dtype=torch.int64),
+           "sum": torch.full((experts,), 2, dtype=torch.int64),
+           "negative": torch.tensor([2, -1] + [1] * (experts - 2), dtype=torch.int64)}[kind]
+    with pytest.raises(ValueError, match=rf"ExpertParallel: ep rank {bad_rank} passed") as e:
+        module(x, bad if rank == bad_rank else good)
+    assert module(x, good).shape == x.shape  # the group is still in step
+    return str(e.value)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_counts_on_one_rank_fail_every_rank(world, pool2, pool4) -> None:
+    pool = pool2 if world == 2 else pool4
+    cases = [(bad_rank, kind) for kind in ("length", "sum", "negative") for bad_rank in (0, world - 1)]
+    words = {"length": f"for {2 * world - 1} experts, the module stacks {2 * world}",
+             "sum": f"summing to {4 * world} for {2 * world} token rows", "negative": "1 negative token count(s)"}
+    for bad_rank, kind in cases:
+        messages = pool.run(_bad_counts_case, bad_rank, kind, timeout=60)  # a hang would fail here, not block
+        assert all(m == messages[0] for m in messages) and words[kind] in messages[0], messages
+    print(f"\nep={world}: {len(cases)} cases of bad counts on one rank (wrong length, wrong sum, negative): "
+          f"every rank raised the same ValueError, and the group dispatched again")
 
 
 @pytest.mark.parametrize("world", [2, 4])

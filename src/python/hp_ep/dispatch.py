@@ -72,3 +72,48 @@ def check_experts_divisible(num_experts: int, ep: int) -> int:
             f"pick an ep that divides the expert count"
         )
     return num_experts // ep
+
+
+# What each rank tells every other before any row moves: (number of counts passed, rows of x,
+# sum of the counts, negative counts), then the counts for the receiver's experts.  The message
+# has the same size on every rank whatever a caller passed, so a bad caller cannot desynchronise
+# the exchange, and every rank of the ep group sees every rank's header and refuses together.
+COUNT_HEADER = 4
+
+
+def count_message(counts: list[int], rows: int, num_experts: int, ep: int) -> list[int]:
+    """The ``ep * (COUNT_HEADER + num_experts // ep)`` ints this rank sends in the count
+    exchange (block ``r`` to ep rank ``r``); counts of the wrong length are sent as zeros."""
+    local = num_experts // ep
+    header = [len(counts), rows, sum(counts), sum(1 for c in counts if c < 0)]
+    valid = len(counts) == num_experts
+    return [
+        v for r in range(ep)
+        for v in header + (counts[r * local:(r + 1) * local] if valid else [0] * local)
+    ]
+
+
+def read_count_messages(received: list[int], num_experts: int, ep: int) -> tuple[int, ...]:
+    """The counts each ep rank sends to this rank's experts (``DispatchPlan.recv_counts``), from
+    the exchanged messages; ``ValueError`` -- the same on every rank of the ep group -- naming each
+    rank whose counts do not describe its tokens (one count per expert, none negative, summing to
+    its rows)."""
+    local = num_experts // ep
+    size = COUNT_HEADER + local
+    problems: list[str] = []
+    recv: list[int] = []
+    for s in range(ep):
+        n, rows, total, negative = received[s * size:s * size + COUNT_HEADER]
+        if n != num_experts:
+            problems.append(f"ep rank {s} passed token counts for {n} experts, the module stacks {num_experts}")
+        elif negative:
+            problems.append(f"ep rank {s} passed {negative} negative token count(s)")
+        elif total != rows:
+            problems.append(f"ep rank {s} passed token counts summing to {total} for {rows} token rows")
+        recv.extend(received[s * size + COUNT_HEADER:(s + 1) * size])
+    if problems:
+        raise ValueError(
+            "ExpertParallel: " + "; ".join(problems) + ". Every rank of the ep group stops here; pass one "
+            "non-negative count per expert, summing to the rows of x grouped by expert"
+        )
+    return tuple(recv)

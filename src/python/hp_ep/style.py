@@ -15,7 +15,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Shard
 from hp_dtensor.platform import current as _platform
-from hp_ep.dispatch import DispatchPlan, check_experts_divisible, inverse
+from hp_ep.dispatch import DispatchPlan, check_experts_divisible, count_message, inverse, read_count_messages
 from hp_ep.primitives import ep_primitives
 from hp_tp import ParallelStyle
 
@@ -67,13 +67,12 @@ class ExpertParallel(ParallelStyle):
         prims = ep_primitives()
         x, counts = inputs[0], inputs[1]
         send = prims.to_list(counts)
-        if len(send) != self.num_experts:
-            raise ValueError(
-                f"ExpertParallel: got token counts for {len(send)} experts, the module stacks {self.num_experts}"
-            )
         ep, group = self._mesh.size(), self._mesh.get_group(0)
-        recv = prims.to_list(prims.exchange_counts(counts, group, ep))
-        plan = DispatchPlan(ep, self.local_experts, tuple(send), tuple(recv))
+        # Counts are checked after the exchange, so a bad caller on one rank fails every rank of the group.
+        message = count_message(send, int(prims.local_of(x).shape[0]), self.num_experts, ep)
+        recv = read_count_messages(prims.to_list(prims.exchange_counts(prims.int_tensor(message, counts), group, ep)),
+                                   self.num_experts, ep)
+        plan = DispatchPlan(ep, self.local_experts, tuple(send), recv)
         received = prims.all_to_all_rows(prims.local_of(x), plan.recv_splits, plan.send_splits, group)
         order = plan.group_order()
         self._pending.append((plan, order))

@@ -3,11 +3,11 @@ sections, overridden by command-line flags, resolved into the numbers the traine
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
-yet (expert parallelism, context parallelism inside a pipeline), a pipeline split or microbatch
-count the schedules cannot run (with ``hp_pp``'s messages), and a global batch that the
-data-parallel ranks and accumulation steps would not consume exactly, so no run trains on a batch
-other than the one asked for.  Under pipeline parallelism the accumulation steps are the
-microbatches.
+yet (context parallelism inside a pipeline; for expert parallelism see ``hp_models.job_moe``), a
+pipeline split or microbatch count the schedules cannot run (with ``hp_pp``'s messages), and a
+global batch that the data-parallel ranks and accumulation steps would not consume exactly, so no
+run trains on a batch other than the one asked for.  Under pipeline parallelism the accumulation
+steps are the microbatches.
 """
 
 from __future__ import annotations
@@ -18,18 +18,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
+from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
 from hp_protocols import JobConfig
 from hp_protocols.parallelism import ParallelDims
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 DEFAULT_TP = 2  # without a job file: the README's main job
-
-# Degrees the config accepts but this trainer does not build yet: (field, what it is).
-_NOT_BUILT = (
-    ("expert_parallel", "expert parallelism"),
-)
-
 
 @dataclass(frozen=True)
 class Overrides:
@@ -39,6 +34,7 @@ class Overrides:
     dp_shard: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
 
@@ -49,6 +45,7 @@ class ModelSizes:
 
     num_attention_heads: int
     num_hidden_layers: int
+    num_experts: int | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)
@@ -66,6 +63,7 @@ class TrainLayout:
     # context parallelism's method and mask compression (degree 1: none; EOD compression: the
     # data are packed documents, also without context parallelism)
     context: ContextParallelConfig = ContextParallelConfig(compression=MaskCompression.NONE)
+    moe: MoeSettings | None = None  # a mixture-of-experts model's expert-parallel settings
 
     @property
     def pp(self) -> int:
@@ -132,11 +130,12 @@ class TrainLayout:
         c = self.context
         cp = [f"cp={d.cp} {c.method.value}" + (f" (ulysses {d.ulysses_degree})" if c.method is CPMethod.HYBRID else "")
               ] if d.cp > 1 else []
-        if self.dp == 1 and not pp and not cp:
+        ep = [f"ep={d.ep}"] if d.ep > 1 else []
+        if self.dp == 1 and not pp and not cp and not ep:
             return f"tp={d.tp}"
         dp = ([f"dp_replicate={d.dp_replicate}"] if d.dp_replicate > 1 else []) + (
             [f"dp_shard={d.dp_shard}"] if self.dp > 1 else [])
-        return f"{', '.join(pp + dp + cp + [f'tp={d.tp}'])} on {d.world_size} ranks"
+        return f"{', '.join(pp + dp + cp + ep + [f'tp={d.tp}'])} on {d.world_size} ranks"
 
     def as_dict(self) -> dict[str, Any]:
         d = self.dims
@@ -151,6 +150,8 @@ class TrainLayout:
                         "stage_layers": [list(layers) for layers in self.split.layers] if self.split else None})
         if d.cp > 1:
             out.update({"cp": d.cp, "cp_method": self.context.method.value, "ulysses_degree": d.ulysses_degree})
+        if d.ep > 1:
+            out.update({"ep": d.ep, "efsdp": d.efsdp})
         return out
 
 
@@ -198,6 +199,8 @@ def plan(
         par["pipeline_parallel"] = overrides.pp
         if overrides.pp > 1:
             par.setdefault("pipeline_parallel_layers_per_stage", "auto")
+    if overrides.ep is not None:
+        par["expert_parallel"] = overrides.ep
     if overrides.global_batch_size is not None:
         train["global_batch_size"] = overrides.global_batch_size
     if overrides.local_batch_size is not None:
@@ -206,13 +209,6 @@ def plan(
     job["parallelism"], job["training"] = par, train
     job["model"] = _model_facts(dict(job.get("model") or {}), model)
 
-    for key, what in _NOT_BUILT:
-        value = par.get(key, 1)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            raise ValueError(
-                f"{key}={value!r}: {what} is not built in this trainer yet; set {key}: 1 "
-                f"(built: data_parallel_shard, dp_replicate through world size, tensor_parallel)"
-            )
     config = JobConfig.from_dict(job)  # unknown keys and wrong types fail here, naming them
     p = config.parallelism
     split = None
@@ -233,6 +229,7 @@ def plan(
             micro = p.pipeline_parallel if per_rank % max(p.pipeline_parallel, 1) == 0 else 1
             config.training.local_batch_size = max(1, per_rank // micro)
     dims = config.resolve(world_size)
+    moe = check_moe_job(p, dims, model.num_experts)
     gbs, lbs = config.training.global_batch_size, config.training.local_batch_size
     assert gbs is not None and dims.num_accumulation_steps is not None
     consumed = dims.data_parallel * lbs * dims.num_accumulation_steps
@@ -257,7 +254,7 @@ def plan(
     return TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
-        overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims),
+        overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims), moe=moe,
     )
 
 
@@ -292,9 +289,13 @@ def _model_facts(facts: dict[str, Any], model: ModelSizes) -> dict[str, Any]:
 
 
 def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
-    """The same global batch on one process, in one forward per step: the reference run."""
+    """The same global batch on one process, in one forward per step: the reference run.  A
+    mixture-of-experts model keeps the run's forwards of ``local_batch_size`` samples instead (as
+    accumulation steps, over the same rows in the same order): its router loss is a statistic of
+    each forward's tokens, so a bigger forward would compute another loss."""
     g = layout.global_batch_size
-    one = plan(None, Overrides(tp=1, dp_shard=1, pp=1, cp=1, global_batch_size=g, local_batch_size=g), model,
-               world_size=1)
+    per_forward = layout.local_batch_size if model.num_experts is not None else g
+    one = plan(None, Overrides(tp=1, dp_shard=1, pp=1, cp=1, ep=1, global_batch_size=g,
+                               local_batch_size=per_forward), model, world_size=1)
     # the same data: packed documents stay packed (and attend within each document)
     return replace(one, context=ContextParallelConfig(compression=layout.context.compression))

@@ -9,8 +9,10 @@ are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overl
 FSDP inside each, and the accumulation micro-steps are the pipeline's microbatches
 (``hp_models.train_pipeline``).  With ``context_parallel`` (``--cp``) > 1 each sequence is split
 over the CP ranks (colossal, ulysses or hybrid; ``hp_models.train_context``) and FSDP shards over
-``dp_shard * cp``; a job whose data set ``create_compressed_eod_mask`` trains on packed documents.  World = pp * dp_replicate * dp_shard * tp ranks; each
-data-parallel rank trains on its slice of every global batch, in global_batch_size /
+``dp_shard * cp``; a job whose data set ``create_compressed_eod_mask`` trains on packed documents.
+``--config tiny-moe`` trains the mixture-of-experts model, with its experts spread over
+``expert_parallel`` (``--ep``) ranks (``hp_models.train_moe``).  World = pp * dp_replicate *
+dp_shard * cp * tp ranks; each data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
 writes ``loss.png`` and ``log.json`` to ``--out-dir``.
 
@@ -59,6 +61,7 @@ class Args:
     tp: int | None
     dp_shard: int | None
     pp: int | None
+    ep: int | None
     nproc: int | None
     steps: int
     seq_len: int
@@ -91,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
                    help="context_parallel: ranks each sequence is split over (the job's context_parallel_method; "
                         "CP needs a compressed mask: the job's model.use_attn_mask_compression or "
                         "train_dataset.dataloader.config.create_compressed_eod_mask)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert_parallel: ranks the MoE model's experts are spread over (must divide "
+                        "dp_shard * tp and the expert count); needs --config tiny-moe or a MoE config.json")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (world size); default: data_parallel_shard * tp * pp, or tp * pp when "
                         "data_parallel_shard is -1; more ranks than that make replicas (HSDP). Under torchrun: "
@@ -103,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
                    help="samples per rank per forward (local_batch_size); default: the job's, or the global "
                         "batch over the data-parallel ranks (no accumulation)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--config", default="tiny", help="'tiny' or the path of a HF config.json")
+    p.add_argument("--config", default="tiny",
+                   help="'tiny', 'tiny-moe' (8 experts, top-2) or the path of a HF config.json (dense or MoE)")
     p.add_argument("--out-dir", default="runs/qwen3_5-tp", help="where loss.png and log.json go")
     p.add_argument("--checkpoint-dir", default=None, help="default: <out-dir>/checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (and at the end)")
@@ -117,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
-    for name in ("tp", "pp", "cp", "nproc", "steps", "seq_len", "batch_size", "local_batch_size", "checkpoint_every", "keep"):
+    for name in ("tp", "pp", "cp", "ep", "nproc", "steps", "seq_len", "batch_size", "local_batch_size",
+                 "checkpoint_every", "keep"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -128,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     if ns.resume and ns.overwrite:
         p.error("--resume continues the run in --checkpoint-dir, --overwrite deletes it: pass one of them")
     return Args(
-        job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, pp=ns.pp, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
+        job=ns.job, tp=ns.tp, dp_shard=ns.dp_shard, pp=ns.pp, ep=ns.ep, nproc=ns.nproc, steps=ns.steps, seq_len=ns.seq_len,
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
@@ -140,23 +148,28 @@ def load_config(args: Args, raw: dict[str, Any] | None = None) -> Any:
     """The model config: ``tiny`` (with the job's ``model.num_hidden_layers`` when it names one:
     the pipeline examples use deeper tiny models) or a HF config.json.  ``raw``: the job file
     already read, if the caller has it."""
-    from hp_models.qwen3_5 import Qwen3_5Config, tiny_config
+    from hp_models.qwen3_5 import tiny_config
+    from hp_models.train_moe import TINY_MOE, config_from_file, config_from_name
 
-    if args.config == "tiny":
+    if args.config in ("tiny", TINY_MOE):
         layers = None
         if args.job is not None:
             facts = (raw if raw is not None else read_job_file(args.job)).get("model") or {}
             layers = facts.get("num_hidden_layers") if isinstance(facts, dict) else None
-        return tiny_config(num_hidden_layers=layers) if isinstance(layers, int) and layers > 0 else tiny_config()
-    return Qwen3_5Config.from_json_file(args.config)
+        depth = layers if isinstance(layers, int) and layers > 0 else None
+        return config_from_name(args.config, depth) or (
+            tiny_config(num_hidden_layers=depth) if depth is not None else tiny_config())
+    return config_from_file(args.config)
 
 
 def model_sizes(config: Any) -> ModelSizes:
-    return ModelSizes(num_attention_heads=config.num_attention_heads, num_hidden_layers=config.num_hidden_layers)
+    return ModelSizes(num_attention_heads=config.num_attention_heads, num_hidden_layers=config.num_hidden_layers,
+                      num_experts=getattr(config, "num_experts", None))
 
 
 def overrides(args: Args) -> Overrides:
-    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, global_batch_size=args.batch_size,
+    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, ep=args.ep,
+                     global_batch_size=args.batch_size,
                      local_batch_size=args.local_batch_size)
 
 
@@ -164,6 +177,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     """Everything that can be wrong before any rank starts; exits with a message saying what to change."""
     from hp_models.qwen3_5 import check_tp_size
     from hp_models.train_context import check_context
+    from hp_models.train_moe import check_model
 
     env_world = os.environ.get("WORLD_SIZE")
     world = int(env_world) if env_world is not None else args.nproc
@@ -176,6 +190,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         layout = plan(raw, overrides(args), model_sizes(config), world)
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
+        check_model(config, layout)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")
     if layout.cp == 1 and args.seq_len % layout.tp:
@@ -243,6 +258,10 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
 
     from hp_models.qwen3_5 import apply_fsdp_qwen3_5, parallelize_qwen3_5_tp
 
+    if layout.moe is not None:
+        from hp_models.train_moe import build_moe_model
+
+        return build_moe_model(args.seed, layout, config, distributed=distributed)
     torch.manual_seed(args.seed)
     model = config.build()
     model.init_weights()
@@ -278,6 +297,10 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
 
     if layout.split is not None or layout.cp > 1:
         return model.train_step(dp_rank, ids, tgt)  # type: ignore[no-any-return]
+    if layout.moe is not None:
+        from hp_models.train_moe import moe_train_step
+
+        return moe_train_step(model, layout, dp_rank, ids, tgt)
     scale = layout.loss_scale()
     total = 0.0
     for micro in range(layout.accumulation):
@@ -324,6 +347,7 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
 
     from hp_models import synthetic
     from hp_models.train_checkpoint import load_train_state, save_train_state
+    from hp_models.train_moe import run_report
 
     model, dp_rank = build_model(args, layout, config, distributed=distributed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -352,7 +376,8 @@ def train(args: Args, layout: TrainLayout, config: Any, rank: int, *, distribute
         sys.stderr.write("\n")
     elapsed = time.perf_counter() - t0
     nparams = getattr(model, "n_model_params", None) or sum(p.numel() for p in model.parameters())
-    return {"losses": losses, "elapsed_s": elapsed, "tokens": tokens, "start_step": start, "nparams": nparams}
+    return {"losses": losses, "elapsed_s": elapsed, "tokens": tokens, "start_step": start, "nparams": nparams,
+            **run_report(model)}
 
 
 def _progress(step: int, total: int, loss: float, tok_s: float) -> None:
@@ -424,6 +449,8 @@ def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str
         "elapsed_s": result["elapsed_s"], "tokens_per_s": result["tokens"] / max(result["elapsed_s"], 1e-9),
         "resumed_from_step": result["start_step"],
     }
+    if "tokens_per_expert" in result:
+        log["tokens_per_expert"] = result["tokens_per_expert"]
     if single is not None:
         log["single_losses"] = single
         log["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(losses, single))
@@ -511,6 +538,10 @@ def _run(args: Args, config: Any, layout: TrainLayout) -> int:
         print(f"  global batch {layout.global_batch_size} = data_parallel {layout.dp} x local batch "
               f"{layout.local_batch_size} x {layout.accumulation} accumulation step(s)")
     print(f"  {log['tokens_per_s']:,.0f} tokens/s, {log['elapsed_s']:.1f} s")
+    if "tokens_per_expert" in result:
+        from hp_models.train_moe import describe_load
+
+        print("\n".join(describe_load(result["tokens_per_expert"])))
     if single is not None:
         print(f"  largest |loss({layout.describe()}) - loss(1 process)| over the run: "
               f"{log['max_loss_diff_vs_single']:.2e}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from hp_dtensor import DeviceMesh
-from hp_fsdp import MixedPrecisionPolicy, fully_shard
+from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 def apply_fsdp_qwen3_5_moe(
@@ -23,24 +23,34 @@ def apply_fsdp_qwen3_5_moe(
     efsdp_mesh: DeviceMesh,
     *,
     reshard_after_forward: bool = True,
+    sum_gradients: bool = False,
+    cpu_offload: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Any:
     """Shard ``model`` in place: experts over the 1-D ``efsdp_mesh`` (the sparse mesh's
     ``efsdp`` dim), everything else over ``dp_mesh`` (1-D: FSDP; 2-D ``(dp_replicate, shard)``:
-    HSDP).  Gradients are means over the dense data-parallel ranks.  Returns ``model``."""
+    HSDP).  Gradients are means over the dense data-parallel ranks, or sums with
+    ``sum_gradients`` (the caller then scales the loss).  Returns ``model``."""
     if efsdp_mesh.ndim != 1:
         raise ValueError(
             f"apply_fsdp_qwen3_5_moe needs a 1-D efsdp mesh, got {efsdp_mesh.ndim} dims "
             f"{efsdp_mesh.mesh_dim_names}; pass sparse_mesh['efsdp']"
         )
     dp_size = dp_mesh.size()
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     experts = [layer.mlp.experts for layer in model.model.layers]
     for layer, ex in zip(model.model.layers, experts):
-        fully_shard(ex, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    for ex in experts:
-        ex.set_gradient_divide_factor(float(dp_size))
+        fully_shard(ex, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                    offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                offload_policy=offload)
+    if sum_gradients:
+        model.set_gradient_divide_factor(1.0)  # every group, the experts' included
+    else:
+        for ex in experts:
+            ex.set_gradient_divide_factor(float(dp_size))
     return model
 
 

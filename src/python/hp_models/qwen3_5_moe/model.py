@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, Partial
+from hp_models.qwen3_5.gated_delta import compute_dtype
 from hp_models.qwen3_5.model import MLP, DecoderLayer, TextModel, local
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_protocols import BaseModel, Module
@@ -77,9 +78,10 @@ class SparseMoeBlock(Module):
         self.token_mesh: DeviceMesh | None = None
 
     def route(self, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(softmax probabilities (T, E) in fp32, top-k weights (T, k) in x's dtype, top-k expert ids (T, k))."""
+        """(softmax probabilities (T, E) in fp32 -- float64 for a float64 model --, top-k weights (T, k)
+        in x's dtype, top-k expert ids (T, k))."""
         logits = F.linear(x2, local(self.gate.weight, partial_grad=True))
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -115,14 +117,16 @@ def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch
     ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert ``e`` and ``P_e``
     its mean router probability, both over every layer's tokens (over every rank's tokens when the
     blocks' tokens are split over a ``token_mesh``)."""
-    counts = torch.zeros(num_experts, dtype=torch.float32)
-    prob_sum = torch.zeros(num_experts, dtype=torch.float32)
+    dtype = next((b.router_probs.dtype for b in blocks if b.router_probs is not None), torch.float32)
+    counts = torch.zeros(num_experts, dtype=dtype)
+    prob_sum = torch.zeros(num_experts, dtype=dtype)
     rows = 0
     for b in blocks:
         if b.router_probs is None or b.router_topk is None:
             raise RuntimeError("load_balancing_loss needs a forward first (no routing recorded)")
         probs = b.router_probs
-        counts = counts.to(probs.device) + torch.bincount(b.router_topk.reshape(-1), minlength=num_experts).float()
+        routed = torch.bincount(b.router_topk.reshape(-1), minlength=num_experts).to(dtype)
+        counts = counts.to(probs.device) + routed
         prob_sum = prob_sum.to(probs.device) + probs.sum(dim=0)
         rows += probs.shape[0]
     mesh = next((b.token_mesh for b in blocks if b.token_mesh is not None), None)
@@ -169,7 +173,8 @@ class Qwen3_5MoeForCausalLM(BaseModel):
         weighted load-balancing loss of the same forward, as HF's ``labels=`` loss."""
         cfg: Qwen3_5MoeConfig = self.config  # type: ignore[assignment]
         ce = F.cross_entropy(
-            local(logits)[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            local(logits)[:, :-1].reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype)),
+            labels[:, 1:].reshape(-1), ignore_index=-100
         )
         return ce + cfg.router_aux_loss_coef * self.aux_loss()
 

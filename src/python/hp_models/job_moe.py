@@ -1,0 +1,77 @@
+"""The expert-parallel part of a training job: which dispatcher, and what the trainer refuses.
+
+Pure (no framework).  ``hp_protocols``' ``JobConfig.resolve`` already checks the parallelism
+config's own rules (``expert_parallel`` dividing ``dp_shard * cp * tp``, the deredundancy
+dispatcher needing ``expert_parallel >= npu_nums_per_device``); on top of them this module refuses,
+before any rank starts, what the trainer cannot run with the model actually built: expert
+parallelism on a dense model, an expert count the ep size does not divide, and the combinations
+of a mixture-of-experts model with parallelism the MoE path does not build yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from hp_protocols.parallelism import ParallelDims, ParallelismConfig
+
+
+class TokenDispatcher(StrEnum):
+    """``moe_token_dispatcher_type``: how routed tokens reach the ranks holding their experts."""
+
+    ALLTOALL = "alltoall"  # one all-to-all of variable counts over the ep group
+    ALLTOALL_DEREDUNDANCY = "alltoall_deredundancy"  # outer all-gather across nodes + inner all-to-all
+
+
+# Dispatchers this trainer runs; the others are refused with what to use instead.
+BUILT_DISPATCHERS = (TokenDispatcher.ALLTOALL,)
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """A mixture-of-experts run's expert-parallel settings, validated."""
+
+    num_experts: int
+    ep: int
+    efsdp: int
+    dispatcher: TokenDispatcher
+    npu_nums_per_device: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+
+def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | None) -> MoeSettings | None:
+    """The run's ``MoeSettings`` (None for a dense model, ``num_experts`` None); ``ValueError``
+    naming the value and what to change for a job the trainer cannot run."""
+    if num_experts is None:
+        if dims.ep > 1:
+            raise ValueError(
+                f"expert_parallel={dims.ep} needs a mixture-of-experts model, but the model being trained is dense; "
+                f"pass --config tiny-moe (or a qwen3_5_moe config.json), or set expert_parallel: 1"
+            )
+        return None
+    if num_experts % dims.ep:
+        raise ValueError(
+            f"expert_parallel={dims.ep} does not divide the model's {num_experts} experts (each ep rank holds "
+            f"num_experts // ep of them); pick an expert_parallel that divides {num_experts}"
+        )
+    dispatcher = TokenDispatcher(p.moe_token_dispatcher_type)  # resolve() accepted only the known names
+    if dispatcher not in BUILT_DISPATCHERS:
+        raise ValueError(
+            f"moe_token_dispatcher_type {dispatcher.value!r} is not built in this trainer yet; use "
+            f"moe_token_dispatcher_type: alltoall (the same numbers: one all-to-all over the ep group)"
+        )
+    refused = [
+        ("pipeline_parallel", dims.pp, "pipeline parallelism of the MoE model"),
+        ("context_parallel", dims.cp, "context parallelism of the MoE model"),
+        ("dp_replicate", dims.dp_replicate, "HSDP (replicas of the experts' shard groups)"),
+    ]
+    for name, value, what in refused:
+        if value > 1:
+            hint = ("set data_parallel_shard: -1 so every data-parallel rank shards" if name == "dp_replicate"
+                    else f"set {name}: 1")
+            raise ValueError(f"{name}={value}: {what} is not built in this trainer yet; {hint}")
+    return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
+                       npu_nums_per_device=p.npu_nums_per_device)

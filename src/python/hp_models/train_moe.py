@@ -1,0 +1,186 @@
+"""The trainer's mixture-of-experts path: Qwen3.5-MoE under expert, tensor and data parallelism.
+
+``--config tiny-moe`` (or a ``qwen3_5_moe`` config.json) trains the MoE model; ``expert_parallel``
+(``--ep``) spreads its routed experts over that many ranks.  The model is built on two meshes from
+the job's sizes: the dense mesh ``[pp, dp_replicate, fsdp, tp]`` for everything but the routed
+experts (tensor parallel with sequence parallel, as the dense model) and the sparse mesh
+``[pp, dp_replicate, efsdp, ep]`` (``efsdp = dp_shard * tp // ep``) for the experts: sharded
+over ``ep`` with tokens dispatched to them by all-to-all, and fully sharded over ``efsdp``, which
+also sums their gradients over the ranks holding the same experts.  The loss of each forward is
+the next-token cross entropy plus ``router_aux_loss_coef`` times the router's load-balancing
+loss over that forward's tokens (all of its tensor-parallel group's).
+
+Every step the routed token copies per expert and layer are summed over the ranks; the summary
+prints their balance (fewest and most per expert, per step and over the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hp_models.job import TrainLayout
+from hp_models.qwen3_5 import Qwen3_5Config
+from hp_models.qwen3_5.model import local
+from hp_models.qwen3_5_moe import Qwen3_5MoeConfig, tiny_moe_config
+
+TINY_MOE = "tiny-moe"
+
+
+def config_from_name(name: str, layers: int | None) -> Qwen3_5MoeConfig | None:
+    """``tiny-moe`` (with ``layers`` decoder layers when given) as a config; None for another name."""
+    if name != TINY_MOE:
+        return None
+    return tiny_moe_config(num_hidden_layers=layers) if layers is not None else tiny_moe_config()
+
+
+def config_from_file(path: str) -> Qwen3_5Config:
+    """A HF config.json: the MoE config when its ``model_type`` is a ``qwen3_5_moe`` one, else dense."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
+        kind = str(raw.get("model_type", "")) if isinstance(raw, dict) else ""
+        if kind.startswith("qwen3_5_moe"):
+            return Qwen3_5MoeConfig.from_hf_dict(raw)
+    return Qwen3_5Config.from_json_file(path)  # (which names the file when it is missing)
+
+
+def check_model(config: Qwen3_5Config, layout: TrainLayout) -> None:
+    """``ValueError`` for a tensor-parallel size the MoE model's shared expert cannot split."""
+    if isinstance(config, Qwen3_5MoeConfig):
+        from hp_models.qwen3_5_moe.parallelize import check_moe_tp_size
+
+        check_moe_tp_size(config, layout.tp)
+
+
+# ---------------------------------------------------------------- the balance of the experts
+@dataclass
+class ExpertLoad:
+    """Routed token copies per (layer, expert), summed over every rank, one table per step."""
+
+    layers: int
+    experts: int
+    steps: list[list[list[int]]] = field(default_factory=list)
+    _step: torch.Tensor | None = None
+
+    def add_forward(self, blocks: list[Any]) -> None:
+        """Add this rank's counts of the forward just run."""
+        counts = torch.stack([b.tokens_per_expert.to(torch.float64) for b in blocks])
+        self._step = counts if self._step is None else self._step + counts
+
+    def end_step(self, local_loss: float, world_size: int) -> float:
+        """Close the step: sum its counts and ``local_loss`` over the ranks (one all-reduce);
+        returns the summed loss."""
+        assert self._step is not None, "end_step before any forward"
+        packed = torch.cat([torch.tensor([local_loss], dtype=torch.float64), self._step.flatten()])
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(packed)
+        self._step = None
+        table = packed[1:].round().to(torch.int64).reshape(self.layers, self.experts)
+        self.steps.append(table.tolist())
+        return float(packed[0].item())
+
+    def report(self) -> dict[str, Any]:
+        """Per layer: the fewest and most copies any expert got in one step and over the run."""
+        per_layer = []
+        for layer in range(self.layers):
+            rows = [step[layer] for step in self.steps]
+            totals = [sum(col) for col in zip(*rows)]
+            per_layer.append({
+                "step_min": min(min(r) for r in rows), "step_max": max(max(r) for r in rows),
+                "run_min": min(totals), "run_max": max(totals), "run_totals": totals,
+            })
+        routed = sum(self.steps[0][0]) if self.steps else 0
+        return {"steps": len(self.steps), "experts": self.experts, "copies_per_step": routed,
+                "per_layer": per_layer, "per_step": self.steps}
+
+
+def describe_load(load: dict[str, Any]) -> list[str]:
+    """The summary's lines on the experts' balance."""
+    steps, experts, routed = load["steps"], load["experts"], load["copies_per_step"]
+    layers = load["per_layer"]
+    lines = [f"  tokens per expert ({experts} experts, {routed} routed token copies per layer per step, even share "
+             f"{routed / experts:g}; over {steps} step(s)):"]
+    for i, lay in enumerate(layers):
+        lines.append(f"    layer {i}: per step min {lay['step_min']} max {lay['step_max']}; whole run min "
+                     f"{lay['run_min']} max {lay['run_max']} (even {routed * steps / experts:g})")
+    lines.append(f"    all layers: per step min {min(x['step_min'] for x in layers)} max "
+                 f"{max(x['step_max'] for x in layers)}")
+    return lines
+
+
+# ---------------------------------------------------------------- one rank
+def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
+                    distributed: bool) -> tuple[Any, int]:
+    """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh and FSDP (dense
+    parameters over the data-parallel ranks, experts over ``efsdp``) as ``layout`` says, and this
+    rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_weights()
+    model.expert_load = ExpertLoad(config.num_hidden_layers, config.num_experts)
+    if not distributed:
+        return model, 0
+    from hp_dtensor import init_device_mesh
+    from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
+    from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
+
+    dims = layout.dims
+    dense, sparse = dims.build_mesh("cpu")
+    if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
+        sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    coord = dense.get_coordinate()
+    assert coord is not None
+    parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None,
+                            ep_mesh=sparse["ep"] if dims.ep > 1 else None)
+    if dims.dp_shard > 1 or dims.efsdp > 1:
+        apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"], reshard_after_forward=dims.reshard_after_forward,
+                               sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
+    return model, coord[1] * dims.dp_shard + coord[2]
+
+
+def moe_train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: torch.Tensor, tgt: torch.Tensor) -> float:
+    """One optimizer step's forwards and backwards over this rank's rows of the global batch
+    (``ids``/``tgt``); returns the mean loss (LM + weighted router loss) over the step's forwards,
+    the same on every rank.  Gradients are those of that mean, left for the optimizer."""
+    config: Qwen3_5MoeConfig = model.config
+    load: ExpertLoad = model.expert_load
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    scale = layout.loss_scale()
+    blocks = model.moe_blocks()
+    total = 0.0
+    for micro in range(layout.accumulation):
+        rows = layout.samples(dp_rank, micro)
+        if fsdp:
+            # Only the last micro-step's backward reduces the gradients; before it they accumulate locally.
+            model.set_requires_gradient_sync(micro == layout.accumulation - 1)
+        logits = local(model(ids[rows]))  # under TP: replicated over the TP group
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt[rows].flatten())
+        loss = ce + config.router_aux_loss_coef * model.aux_loss()
+        (loss * scale if scale != 1.0 else loss).backward()
+        total += float(loss.item())
+        load.add_forward(blocks)
+    summed = load.end_step(total, layout.world_size)
+    # Each rank of a tensor-parallel group holds the same loss: the sum over all ranks is tp times
+    # the sum over the data-parallel ranks.
+    ranks = layout.world_size if layout.world_size > 1 else 1
+    return summed / (ranks * layout.accumulation)
+
+
+def run_report(model: Any) -> dict[str, Any]:
+    """What the run's summary and log add for a MoE model (nothing for a dense one)."""
+    load = getattr(model, "expert_load", None)
+    return {"tokens_per_expert": load.report()} if isinstance(load, ExpertLoad) and load.steps else {}
+
+
+__all__ = [
+    "TINY_MOE", "ExpertLoad", "build_moe_model", "check_model", "config_from_file", "config_from_name",
+    "describe_load", "moe_train_step", "run_report",
+]

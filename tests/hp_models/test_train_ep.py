@@ -1,0 +1,129 @@
+# mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
+"""The trainer with expert parallelism on 4 gloo ranks: the tiny MoE model from a job file at
+ep=2 x tp=2 (dp_shard 2, accumulation 2, gradients averaged) and the two examples (ep=2 with tp=4,
+experts FSDP-sharded over efsdp=2 TP ranks; ep=4 with tp=2, EP across the TP groups) report the
+losses of the same run on one process (the trainer's ``--compare-single`` reference), and the
+same tokens per expert in every layer and step; what the MoE path cannot run is refused before
+any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hp_dtensor.testing import RankPool, rank_pool_fixture
+from hp_models import train
+
+pool4 = rank_pool_fixture(4, timeout=300)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EP_LE_TP = str(EXAMPLES / "qwen3_5_moe_ep_le_tp.yaml")
+EP_GT_TP = str(EXAMPLES / "qwen3_5_moe_ep_gt_tp.yaml")
+EP2_TP2 = """
+parallelism:
+  tensor_parallel: 2
+  expert_parallel: 2
+  disable_gradient_division: False
+training:
+  global_batch_size: 8
+  local_batch_size: 2
+"""
+SHORT = ["--config", "tiny-moe", "--steps", "3", "--seq-len", "16", "--lr", "1e-2", "--checkpoint-every", "100"]
+TOL = 2e-5  # fp32 losses of the same run on one process: another summation order only
+
+
+def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """The trainer's own path on this rank: parse, check, train."""
+    args = train.parse_args(argv)
+    config, layout = train.check_args(args)
+    out = train.train(args, layout, config, rank, distributed=True, quiet=True)
+    return {"losses": out["losses"], "layout": layout.as_dict(), "describe": layout.describe(),
+            "load": out["tokens_per_expert"]}
+
+
+def _single(argv: list[str], out: Path) -> dict[str, Any]:
+    """The same run on one process, as ``--compare-single`` trains it."""
+    from hp_models.job import single_process
+
+    args = train.parse_args([*argv, "--out-dir", str(out)])
+    config, layout = train.check_args(args)
+    one = single_process(layout, train.model_sizes(config))
+    res = train.train(args, one, config, 0, distributed=False, quiet=True)
+    return {"losses": res["losses"], "load": res["tokens_per_expert"]}
+
+
+@pytest.mark.parametrize("job,layout", [
+    (None, {"ep": 2, "efsdp": 2, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": False}),
+    (EP_LE_TP, {"ep": 2, "efsdp": 2, "tp": 4, "dp_shard": 1, "accumulation_steps": 2, "sum_gradients": True}),
+    (EP_GT_TP, {"ep": 4, "efsdp": 1, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": True}),
+], ids=["ep2xtp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2"])
+def test_ep_job_equals_one_process(pool4: RankPool, job: str | None, layout: dict[str, Any], tmp_path) -> None:
+    ranks = []  # an example names its ranks itself, as the README runs it
+    if job is None:
+        (tmp_path / "job.yaml").write_text(EP2_TP2)
+        job, ranks = str(tmp_path / "job.yaml"), ["--nproc", "4"]
+    argv = ["--job", job, *ranks, "--out-dir", str(tmp_path / "run"), *SHORT]
+    res = pool4.run(_run, argv)
+    for key, value in layout.items():
+        assert res[0]["layout"][key] == value, (key, res[0]["layout"])
+    assert all(r["losses"] == res[0]["losses"] and r["load"] == res[0]["load"] for r in res)  # the same on every rank
+    single = _single(argv, tmp_path / "single")
+    worst = max(abs(a - b) for a, b in zip(res[0]["losses"], single["losses"]))
+    load = res[0]["load"]
+    # 8 samples x 16 tokens x top-2 routed copies per layer and step, every one counted once
+    assert load["copies_per_step"] == 8 * 16 * 2 and all(sum(row) == 256 for s in load["per_step"] for row in s)
+    assert load["per_step"] == single["load"]["per_step"], "tokens per expert differ from one process"
+    spread = [(lay["step_min"], lay["step_max"]) for lay in load["per_layer"]]
+    print(f"\n[train ep] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single['losses']}\n"
+          f"  max |diff| {worst:.2e}; tokens per expert per step (min, max) by layer {spread}, equal to one process "
+          f"in all {len(load['per_step'])} steps x {len(spread)} layers x {load['experts']} experts")
+    assert len(res[0]["losses"]) == 3 and worst < TOL, (res[0]["losses"], single["losses"])
+
+
+def test_summary_prints_tokens_per_expert(tmp_path, capsys) -> None:
+    """On one process (the summary's code path is the same for any layout)."""
+    out = tmp_path / "one"
+    assert train.main([*SHORT, "--tp", "1", "--steps", "2", "--out-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tokens per expert (8 experts, 256 routed token copies per layer per step, even share 32" in text, text
+    assert all(f"    layer {i}: per step min " in text for i in range(4)) and "all layers: per step min" in text
+
+
+# ---------------------------------------------------------------- before any rank starts
+@pytest.mark.parametrize("config,parallelism,words", [
+    ("tiny", {"expert_parallel": 2},
+     ["expert_parallel=2 needs a mixture-of-experts model", "--config tiny-moe", "expert_parallel: 1"]),
+    ("tiny-moe", {"tensor_parallel": 2, "expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy",
+                  "npu_nums_per_device": 2},
+     ["moe_token_dispatcher_type 'alltoall_deredundancy' is not built", "use moe_token_dispatcher_type: alltoall"]),
+    ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy"},
+     ["alltoall_deredundancy needs expert_parallel (4) >= npu_nums_per_device (8)"]),
+    ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 3}, ["expert_parallel 3 must divide dp_shard*cp*tp", "4"]),
+    ("tiny-moe", {"tensor_parallel": 1, "pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": "auto"},
+     ["pipeline_parallel=2", "MoE model is not built", "pipeline_parallel: 1"]),
+    ("tiny-moe", {"tensor_parallel": 1, "data_parallel_shard": 2}, ["dp_replicate=2", "data_parallel_shard: -1"]),
+    ("tiny-moe", {"tensor_parallel": 1, "moe_token_dispatcher_type": "ring"}, ["moe_token_dispatcher_type", "'ring'"]),
+])
+def test_bad_moe_job_fails_before_any_rank_starts(config, parallelism, words, tmp_path) -> None:
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"parallelism": parallelism}))
+    with pytest.raises(SystemExit) as info:
+        train.main(["--config", config, "--job", str(job), "--nproc", "4", "--out-dir", str(tmp_path / "out")])
+    msg = str(info.value.code)
+    assert msg.startswith("error: ") and all(w in msg for w in words), msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_experts_not_divisible_by_ep_and_ep_flag() -> None:
+    from hp_models.job import ModelSizes, Overrides, plan
+
+    moe = ModelSizes(num_attention_heads=8, num_hidden_layers=4, num_experts=6)
+    with pytest.raises(ValueError, match="expert_parallel=4 does not divide the model's 6 experts"):
+        plan(None, Overrides(tp=1, ep=4), moe, world_size=4)
+    layout = plan(None, Overrides(tp=2, ep=4), ModelSizes(8, 4, num_experts=8), world_size=4)
+    assert (layout.dims.ep, layout.dims.efsdp, layout.moe.experts_per_rank) == (4, 1, 2)
+    assert layout.describe() == "dp_shard=2, ep=4, tp=2 on 4 ranks"
