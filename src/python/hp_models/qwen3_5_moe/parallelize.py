@@ -24,7 +24,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard
 from hp_dtensor.platform import current as _platform
-from hp_ep import ExpertParallel
+from hp_ep import ExpertParallelStyle, TokenDispatcher, make_expert_parallel
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_tp import (
@@ -68,11 +68,15 @@ def _moe_block_plan(seq: Placement) -> dict[str, ParallelStyle]:
 
 def parallelize_qwen3_5_moe(
     model: Any, *, tp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
-    loss_parallel: bool = False,
-) -> list[ExpertParallel]:
+    loss_parallel: bool = False, dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL,
+    npu_nums_per_device: int = 8,
+) -> list[ExpertParallelStyle]:
     """Apply TP on the 1-D ``tp_mesh`` (sequence parallel on) and EP on the 1-D ``ep_mesh`` (the
-    sparse mesh's ``ep`` dim) in place; either may be None.  Returns each MoE block's
-    ``ExpertParallel`` in layer order (their ``plans`` hold each forward's token counts).
+    sparse mesh's ``ep`` dim) in place; either may be None.  ``dispatcher`` picks how tokens reach
+    the experts: ``ALLTOALL`` (``ExpertParallel``) or ``ALLTOALL_DEREDUNDANCY``
+    (``DeredundancyExpertParallel``, nodes of ``npu_nums_per_device`` ep ranks; ``ValueError``
+    naming both numbers unless that divides the ep size).  Returns each MoE block's style in layer
+    order (their ``plans`` hold each forward's token counts).
 
     Logits come back as a ``Replicate()`` DTensor under TP (``Shard(-1)`` over the vocab when
     ``loss_parallel``).  Data-parallel gradient reduction is not done here: dense gradients are
@@ -89,10 +93,10 @@ def parallelize_qwen3_5_moe(
             for gate in (block.gate, block.shared_expert_gate):
                 plat.set_param(gate, "weight", plat.distribute_tensor(gate.weight.data, tp_mesh, [Replicate()]))
             block.token_mesh = tp_mesh
-    styles: list[ExpertParallel] = []
+    styles: list[ExpertParallelStyle] = []
     if ep_mesh is not None and ep_mesh.size() > 1:
         for layer in model.model.layers:
-            style = ExpertParallel()
+            style = make_expert_parallel(dispatcher, npu_nums_per_device=npu_nums_per_device)
             parallelize_module(layer.mlp, ep_mesh, {"experts": style})
             styles.append(style)
     return styles
