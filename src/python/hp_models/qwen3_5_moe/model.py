@@ -3,8 +3,9 @@
 The token mixers, norms and rotary tables are the dense model's; each decoder layer's MLP is a
 ``SparseMoeBlock``.  The routed experts are held stacked, one ``(num_experts, out, in)`` tensor per
 projection, so expert parallelism shards them on dim 0 and the state-dict adapter splits them
-into HF's per-expert tensors.  Tokens are grouped by expert before ``GroupedExperts`` runs them,
-which is the seam where an expert-parallel style moves tokens to the ranks owning their experts.
+into HF's per-expert tensors.  ``GroupedExperts`` receives the tokens with their routed copies
+grouped by expert (token index and routing weight per copy) and returns each token's weighted
+sum: the seam where an expert-parallel style moves tokens to the ranks owning their experts.
 """
 
 from __future__ import annotations
@@ -24,10 +25,20 @@ from hp_protocols import BaseModel, Module
 
 class GroupedExperts(Module):
     """``num_experts`` SwiGLU experts held as stacked ``gate_proj``/``up_proj`` ``(E, I, H)`` and
-    ``down_proj`` ``(E, H, I)``.  ``forward(x, counts)`` takes tokens grouped by expert (the first
-    ``counts[0]`` rows for the first expert this module holds, and so on) and returns each row run
-    through its expert.  Under expert parallelism the module holds a contiguous range of experts
-    and ``counts`` has one entry per held expert."""
+    ``down_proj`` ``(E, H, I)``.
+
+    ``forward(x, counts)`` takes rows grouped by expert (the first ``counts[0]`` rows for the first
+    expert this module holds, and so on) and returns each row run through its expert.
+
+    ``forward(x, counts, token_index, weights)`` takes the tokens ``x`` (T, H) and one entry per
+    routed token copy, the copies grouped by expert: copy ``c`` runs token ``token_index[c]``
+    through its expert, is scaled by its routing weight ``weights[c]``, and the copies of each
+    token are summed into its row of the (T, H) result.  This is the form the MoE block calls:
+    it tells an expert-parallel style which copies share a token, so a dispatcher may move each
+    token once per destination and sum its copies' weighted outputs near the experts.  With
+    ``token_index`` and ``weights`` omitted it is the same contract with one copy per row and
+    weight 1.  Under expert parallelism the module holds a contiguous range of experts and
+    ``counts`` has one entry per held expert."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -38,7 +49,20 @@ class GroupedExperts(Module):
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, token_index: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (token_index is None) != (weights is None):
+            raise ValueError("GroupedExperts takes token_index and weights together (one entry per token copy)")
+        rows = x if token_index is None else x[token_index]
+        out = self._run_grouped(rows, counts)
+        if token_index is None or weights is None:
+            return out
+        # summed in copy order, as one process sums a token's top-k experts
+        return torch.zeros_like(x).index_add(0, token_index, (out * weights.unsqueeze(-1)).to(x.dtype))
+
+    def _run_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         wg, wu, wd = local(self.gate_proj), local(self.up_proj), local(self.down_proj)
         sizes = [int(n) for n in counts.tolist()]
         if len(sizes) != wg.shape[0]:
@@ -95,8 +119,7 @@ class SparseMoeBlock(Module):
         order = torch.argsort(flat, stable=True)  # token copies grouped by expert, in token order
         counts = torch.bincount(flat, minlength=self.num_experts)
         token_of = order // self.top_k
-        routed = self.experts(x2[token_of], counts) * weights.reshape(-1)[order].unsqueeze(-1)
-        out = torch.zeros_like(x2).index_add(0, token_of, routed.to(x2.dtype))
+        out = self.experts(x2, counts, token_of, weights.reshape(-1)[order])
         gate = F.linear(x2, local(self.shared_expert_gate.weight, partial_grad=True))
         shared = torch.sigmoid(gate) * self.shared_expert(x2)
         self.router_probs, self.router_topk, self.tokens_per_expert = probs, ids, counts.detach()

@@ -12,10 +12,11 @@ rank's sequence shard -- it is token-wise, so it never gathers the sequence:
   ``[pp, dp_replicate, efsdp, ep]``; every rank dispatches its own tokens within its ep group.
 
 The sparse mesh orders ranks like the dense one with ``ep`` innermost, so with ``ep <= tp`` an ep
-group lies inside one TP group and the remaining ``tp // ep`` TP ranks are part of ``efsdp``: they
-hold the same experts and split them by FSDP, which keeps that part of the TP split inside the
-experts; with ``ep > tp`` the ep group spans several TP groups, so EP runs across the TP ranks.
-Either way the numbers equal one process.
+group lies inside one TP group and the remaining ``etp = tp // ep`` TP ranks are part of
+``efsdp``: by default they hold the same experts (split by FSDP when it is applied); given an
+``etp_mesh`` over them, each expert keeps that part of the TP split (``ExpertTensorParallel``:
+gate/up by column, down by row).  With ``ep > tp`` the ep group spans several TP groups, so EP runs
+across the TP ranks.  Every layout equals one process.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh, Placement, Replicate, Shard
 from hp_dtensor.platform import current as _platform
-from hp_ep import ExpertParallel
+from hp_ep import (
+    ExpertParallelStyle,
+    ExpertTensorParallel,
+    TokenDispatcher,
+    ep_etp_mesh,
+    make_expert_parallel,
+)
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_tp import (
@@ -68,11 +75,21 @@ def _moe_block_plan(seq: Placement) -> dict[str, ParallelStyle]:
 
 def parallelize_qwen3_5_moe(
     model: Any, *, tp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
-    loss_parallel: bool = False,
-) -> list[ExpertParallel]:
+    loss_parallel: bool = False, dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL,
+    npu_nums_per_device: int = 8, etp_mesh: DeviceMesh | None = None,
+) -> list[ExpertParallelStyle]:
     """Apply TP on the 1-D ``tp_mesh`` (sequence parallel on) and EP on the 1-D ``ep_mesh`` (the
-    sparse mesh's ``ep`` dim) in place; either may be None.  Returns each MoE block's
-    ``ExpertParallel`` in layer order (their ``plans`` hold each forward's token counts).
+    sparse mesh's ``ep`` dim) in place; either may be None.  ``dispatcher`` picks how tokens reach
+    the experts: ``ALLTOALL`` (``ExpertParallel``) or ``ALLTOALL_DEREDUNDANCY``
+    (``DeredundancyExpertParallel``, nodes of ``npu_nums_per_device`` ep ranks; ``ValueError``
+    naming both numbers unless that divides the ep size).  Returns each MoE block's style in layer
+    order (their ``plans`` hold each forward's token counts).
+
+    ``etp_mesh`` (a 1-D dim sliced from the same mesh as ``ep_mesh``, which may then have size 1):
+    with more than one rank, the experts are also split inside over it (``ExpertTensorParallel``:
+    gate/up by column, down by row), so a rank holds ``1 / (ep * etp)`` of them; the ``etp`` ranks
+    are the TP ranks sharing an ep coordinate when ``ep < tp`` (``etp = tp // ep``).  Plain
+    all-to-all only (``ValueError`` with ``ALLTOALL_DEREDUNDANCY``).
 
     Logits come back as a ``Replicate()`` DTensor under TP (``Shard(-1)`` over the vocab when
     ``loss_parallel``).  Data-parallel gradient reduction is not done here: dense gradients are
@@ -89,10 +106,23 @@ def parallelize_qwen3_5_moe(
             for gate in (block.gate, block.shared_expert_gate):
                 plat.set_param(gate, "weight", plat.distribute_tensor(gate.weight.data, tp_mesh, [Replicate()]))
             block.token_mesh = tp_mesh
-    styles: list[ExpertParallel] = []
+    styles: list[ExpertParallelStyle] = []
+    if etp_mesh is not None and etp_mesh.size() > 1:
+        if ep_mesh is None or dispatcher is not TokenDispatcher.ALLTOALL:
+            raise ValueError(
+                f"expert tensor parallelism (etp_mesh of {etp_mesh.size()} ranks) needs an ep_mesh from the same mesh "
+                f"(size 1 allowed) and the alltoall dispatcher, got "
+                f"{'no ep_mesh' if ep_mesh is None else f'an ep_mesh of {ep_mesh.size()} ranks'} and {dispatcher}"
+            )
+        mesh = ep_etp_mesh(ep_mesh, etp_mesh)
+        for layer in model.model.layers:
+            etp_style = ExpertTensorParallel()
+            etp_style.apply(layer.mlp.experts, mesh)  # a 2-D style: parallelize_module takes 1-D meshes
+            styles.append(etp_style)
+        return styles
     if ep_mesh is not None and ep_mesh.size() > 1:
         for layer in model.model.layers:
-            style = ExpertParallel()
+            style = make_expert_parallel(dispatcher, npu_nums_per_device=npu_nums_per_device)
             parallelize_module(layer.mlp, ep_mesh, {"experts": style})
             styles.append(style)
     return styles

@@ -55,6 +55,13 @@ class _TorchEP:
     def take_rows(self, x: torch.Tensor, index: Sequence[int]) -> torch.Tensor:
         return x.index_select(0, torch.tensor(list(index), dtype=torch.int64, device=x.device))
 
+    def scale_rows(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return x * weights.unsqueeze(-1)
+
+    def sum_rows(self, x: torch.Tensor, index: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        idx = torch.tensor(list(index), dtype=torch.int64, device=x.device)
+        return torch.zeros_like(like).index_add(0, idx, x.to(like.dtype))
+
     def int_tensor(self, values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=like.device)
 
