@@ -11,8 +11,11 @@ whole batch on one process.
 
 Transfers: activations and gradients go by asynchronous P2P on the pp group; their shapes are
 exchanged on the first step and cached (a later step with other shapes is refused).  Sends are
-waited at the end of the step; with ``overlap_p2p`` the receive of the next transfer is posted
-ahead, while this one's compute runs.
+never waited before the end of the step.  With ``overlap_p2p`` (the default) the receive of this
+rank's next transfer is posted before each compute action and before each blocking wait, so its
+data moves while this rank computes or waits and is there when the plan reaches it; one receive
+buffer at most is held ahead.  Without it a receive is posted when the plan reaches it.  Either
+way the same transfers run (same tags, same counts) and the numbers are the same.
 
 Data parallelism inside a stage: a stage module with FSDP2's controls (``fully_shard``'s
 ``set_requires_gradient_sync`` and ``set_reshard_after_backward``) has both turned off for the
@@ -27,6 +30,7 @@ the failed rank and its error; every rank then joins one agreement so none is le
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +62,13 @@ class StepStats:
     shape_messages: int = 0
     tied_messages: int = 0
     peak_activations: dict[int, int] = field(default_factory=dict)
+    # where this rank's time went, for profiling (seconds, wall clock): forward, loss and backward
+    # actions, and blocked in a wait for a transfer; the rest of the step is the bubble's other
+    # causes (the end-of-step agreement waits for the slowest rank) and the runner itself
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    # receives posted ahead of the plan position that needs them (``overlap_p2p``)
+    posted_ahead: int = 0
 
 
 class PipelineSchedule:
@@ -72,7 +83,7 @@ class PipelineSchedule:
         loss_fn: Callable[[Any, Any], Any] | None = None,
         *,
         scale_grads: bool = True,
-        overlap_p2p: bool = False,
+        overlap_p2p: bool = True,
     ) -> None:
         if not stages:
             raise PipelineConfigError("a schedule needs at least one PipelineStage")
@@ -178,14 +189,18 @@ class PipelineSchedule:
         sends: list[Any] = []
         posted: dict[Action, tuple[Any, Any]] = {}
         acts = self.plan.rank_actions(self.pp_rank)
-        recvs = [i for i, a in enumerate(acts) if a.kind.is_recv]
+        ahead = _next_receive(acts) if self.overlap_p2p else None
         backwards = {v: 0 for v in self._stages}
         stats = self._stats
         held = dict.fromkeys(self._stages, 0)
         peak = stats.peak_activations = dict(held)
+        clock = time.perf_counter
         for idx, a in enumerate(acts):
             v, mb = a.stage, a.microbatch
             k = a.kind
+            if ahead is not None and k.is_compute:
+                self._post_ahead(ahead[idx], acts, posted, outputs, abort, key)
+            started = clock()
             if k is ActionKind.F:
                 stage = self._stages[v]
                 if v == 0:
@@ -212,13 +227,15 @@ class PipelineSchedule:
                 inputs[(v, mb)] = leaves
                 held[v] += 1
                 peak[v] = max(peak[v], held[v])
+                stats.compute_s += clock() - started
             elif k is ActionKind.SEND_F:
                 out = outputs[(v, mb)]
                 self._check_shape(v, out, sends, a.peer)
                 sends.append(P.isend(out, self.pp_ranks[a.peer], self.group, self._tag(a)))  # type: ignore[index]
                 stats.sends += 1
             elif k is ActionKind.RECV_F:
-                arrived[(v, mb)] = self._receive(a, idx, acts, recvs, posted, outputs, abort, key)
+                arrived[(v, mb)] = self._receive(a, ahead[idx] if ahead else None, acts, posted, outputs,
+                                                 abort, key)
             elif k in (ActionKind.B, ActionKind.I):
                 out = outputs[(v, mb)]
                 grad = grads.pop((v, mb), None) if v < last else None
@@ -241,17 +258,20 @@ class PipelineSchedule:
                         grads[(v - 1, mb)] = g
                     else:
                         sent_grads[(v, mb)] = g
+                stats.compute_s += clock() - started
             elif k is ActionKind.W:
                 out, grad = weight_pending.pop((v, mb))
                 P.backward_weight(out, grad, P.trainable_params(self._stages[v].module))
                 del outputs[(v, mb)], inputs[(v, mb)]
                 held[v] -= 1
+                stats.compute_s += clock() - started
             elif k is ActionKind.SEND_B:
                 sends.append(P.isend(sent_grads.pop((v, mb)), self.pp_ranks[a.peer], self.group,  # type: ignore[index]
                                      self._tag(a)))
                 stats.sends += 1
             elif k is ActionKind.RECV_B:
-                grads[(v, mb)] = self._receive(a, idx, acts, recvs, posted, outputs, abort, key)
+                grads[(v, mb)] = self._receive(a, ahead[idx] if ahead else None, acts, posted, outputs,
+                                               abort, key)
         for h in sends:
             self._wait(h, abort, key)
 
@@ -306,21 +326,28 @@ class PipelineSchedule:
                 f"microbatches or steps; every microbatch must have the same shape (build a new schedule for new shapes)"
             )
 
-    def _receive(self, a: Action, idx: int, acts: Sequence[Action], recvs: list[int],
+    def _receive(self, a: Action, following: int | None, acts: Sequence[Action],
                  posted: dict[Action, tuple[Any, Any]], outputs: dict[tuple[int, int], Any],
                  abort: Any, key: str) -> Any:
         if a not in posted:
             posted[a] = self._post(a, outputs, abort, key)
         buf, handle = posted.pop(a)
-        if self.overlap_p2p:
-            # post the next receive of this rank before waiting on this one
-            later = [i for i in recvs if i > idx]
-            if later:
-                nxt = acts[later[0]]
-                if nxt not in posted and self._shape_known(nxt, outputs):
-                    posted[nxt] = self._post(nxt, outputs, abort, key)
+        # the next receive's data can move while this one is waited for
+        self._post_ahead(following, acts, posted, outputs, abort, key)
         self._wait(handle, abort, key)
         return buf
+
+    def _post_ahead(self, idx: int | None, acts: Sequence[Action], posted: dict[Action, tuple[Any, Any]],
+                    outputs: dict[tuple[int, int], Any], abort: Any, key: str) -> None:
+        """Post the receive at ``idx`` of this rank's actions now, when its buffer's shape is
+        known without waiting (an activation's once shapes are cached, a gradient's once the
+        forward it belongs to has run)."""
+        if idx is None:
+            return
+        a = acts[idx]
+        if a not in posted and self._shape_known(a, outputs):
+            posted[a] = self._post(a, outputs, abort, key)
+            self._stats.posted_ahead += 1
 
     def _shape_known(self, a: Action, outputs: dict[tuple[int, int], Any]) -> bool:
         if a.kind is ActionKind.RECV_F:
@@ -346,10 +373,12 @@ class PipelineSchedule:
         return P.irecv(shape, dtype, peer, self.group, self._tag(a))
 
     def _wait(self, handle: Any, abort: Any, key: str) -> None:
+        started = time.perf_counter()
         done = self._prims.watch(handle)
         while not done.wait(_ABORT_EVERY_S):
             if abort.read(key) is not None:
                 raise PipelineAbortedError(self._abort_message(abort, key))
+        self._stats.wait_s += time.perf_counter() - started
         done.result()
 
     def _abort_message(self, abort: Any, key: str) -> str:
@@ -400,6 +429,17 @@ class PipelineSchedule:
                 P.add_(total, mine if r == self.pp_rank else bufs[r])
             for g in local:
                 P.copy_(g, total)
+
+
+def _next_receive(acts: Sequence[Action]) -> list[int | None]:
+    """For each position of ``acts``: the position of the first receive after it, or None."""
+    out: list[int | None] = [None] * len(acts)
+    nxt: int | None = None
+    for i in range(len(acts) - 1, -1, -1):
+        out[i] = nxt
+        if acts[i].kind.is_recv:
+            nxt = i
+    return out
 
 
 def _grad_sync_controls(module: Any) -> tuple[Callable[[bool], None], Callable[[bool], None]] | None:
