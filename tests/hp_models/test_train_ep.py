@@ -95,9 +95,9 @@ def test_summary_prints_tokens_per_expert(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("config,parallelism,words", [
     ("tiny", {"expert_parallel": 2},
      ["expert_parallel=2 needs a mixture-of-experts model", "--config tiny-moe", "expert_parallel: 1"]),
-    ("tiny-moe", {"tensor_parallel": 2, "expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy",
-                  "npu_nums_per_device": 2},
-     ["moe_token_dispatcher_type 'alltoall_deredundancy' is not built", "use moe_token_dispatcher_type: alltoall"]),
+    ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy",
+                  "npu_nums_per_device": 3},
+     ["expert_parallel (4) to be a multiple of npu_nums_per_device (3)", "whole nodes"]),
     ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy"},
      ["alltoall_deredundancy needs expert_parallel (4) >= npu_nums_per_device (8)"]),
     ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 3}, ["expert_parallel 3 must divide dp_shard*cp*tp", "4"]),

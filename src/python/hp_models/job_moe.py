@@ -11,20 +11,9 @@ of a mixture-of-experts model with parallelism the MoE path does not build yet.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from hp_ep.dispatcher import TokenDispatcher, check_deredundancy_nodes
 from hp_protocols.parallelism import ParallelDims, ParallelismConfig
-
-
-class TokenDispatcher(StrEnum):
-    """``moe_token_dispatcher_type``: how routed tokens reach the ranks holding their experts."""
-
-    ALLTOALL = "alltoall"  # one all-to-all of variable counts over the ep group
-    ALLTOALL_DEREDUNDANCY = "alltoall_deredundancy"  # outer all-gather across nodes + inner all-to-all
-
-
-# Dispatchers this trainer runs; the others are refused with what to use instead.
-BUILT_DISPATCHERS = (TokenDispatcher.ALLTOALL,)
 
 
 @dataclass(frozen=True)
@@ -57,12 +46,10 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
             f"expert_parallel={dims.ep} does not divide the model's {num_experts} experts (each ep rank holds "
             f"num_experts // ep of them); pick an expert_parallel that divides {num_experts}"
         )
-    dispatcher = TokenDispatcher(p.moe_token_dispatcher_type)  # resolve() accepted only the known names
-    if dispatcher not in BUILT_DISPATCHERS:
-        raise ValueError(
-            f"moe_token_dispatcher_type {dispatcher.value!r} is not built in this trainer yet; use "
-            f"moe_token_dispatcher_type: alltoall (the same numbers: one all-to-all over the ep group)"
-        )
+    dispatcher = TokenDispatcher.from_name(p.moe_token_dispatcher_type)
+    if dispatcher is TokenDispatcher.ALLTOALL_DEREDUNDANCY and dims.ep > 1:
+        # nodes of npu_nums_per_device ep ranks: the ep size must be a whole number of nodes
+        check_deredundancy_nodes(dims.ep, p.npu_nums_per_device)
     refused = [
         ("pipeline_parallel", dims.pp, "pipeline parallelism of the MoE model"),
         ("context_parallel", dims.cp, "context parallelism of the MoE model"),

@@ -138,8 +138,11 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
         sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     coord = dense.get_coordinate()
     assert coord is not None
+    moe = layout.moe
+    assert moe is not None
     parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None,
-                            ep_mesh=sparse["ep"] if dims.ep > 1 else None)
+                            ep_mesh=sparse["ep"] if dims.ep > 1 else None,
+                            dispatcher=moe.dispatcher, npu_nums_per_device=moe.npu_nums_per_device)
     if dims.dp_shard > 1 or dims.efsdp > 1:
         apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"], reshard_after_forward=dims.reshard_after_forward,
                                sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
