@@ -36,7 +36,7 @@ class _Memory:
     """Bytes of the tensors that ops produce while active (each storage counted from the op that
     makes it until it is freed): ``now`` live, ``peak`` the most at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: tuple[Any, ...] = ()) -> None:
         import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -51,7 +51,9 @@ class _Memory:
                 return out
 
         self.mode = Track()
-        self.live: dict[int, int] = {}
+        # the inputs' storages are there before and after: a view of an input (a slice of the
+        # queries) is not new memory, so they are entered as live with no bytes
+        self.live: dict[int, int] = {t.untyped_storage().data_ptr(): 0 for t in inputs}
         self.now = self.peak = 0
 
     def _add(self, storage: Any) -> None:
@@ -69,9 +71,10 @@ class _Memory:
         self.now -= self.live.pop(key)
 
 
-def _memory(fwd: Callable[[], Any], bwd: Callable[[Any], None]) -> tuple[int, int]:
-    """(bytes the forward leaves alive for the backward, peak bytes over forward and backward)."""
-    memory = _Memory()
+def _memory(fwd: Callable[[], Any], bwd: Callable[[Any], None], inputs: tuple[Any, ...]) -> tuple[int, int]:
+    """(bytes the forward leaves alive for the backward, peak bytes over forward and backward),
+    ``inputs`` not counted."""
+    memory = _Memory(inputs)
     with memory.mode:
         kept = fwd()
         after_forward = memory.now
@@ -153,11 +156,12 @@ def bench(rank: int, world: int, seq: int) -> dict[str, Any]:
     for name, (fwd, bwd) in methods.items():
         q.grad = k.grad = v.grad = None
         dist.barrier()
-        memory[name] = _memory(fwd, bwd)
+        memory[name] = _memory(fwd, bwd, (q, k, v))
     if rank == 0:  # one process: SDPA (its fused kernel) forward and backward on the whole sequence
         fq, fk, fv = (x.clone().requires_grad_(True) for x in (full_q, full_k, full_v))
         memory["one_process"] = _memory(
-            lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True), autograd_bwd)
+            lambda: F.scaled_dot_product_attention(fq, fk, fv, is_causal=True, enable_gqa=True), autograd_bwd,
+            (fq, fk, fv))
     return {"time": {n: statistics.median(t) for n, t in times.items()}, "memory": memory, "diff": diff}
 
 
