@@ -196,6 +196,8 @@ def test_5_4_B_ep_gt_tp_deredundancy() -> None:
     ("parallelism: {tensor_parallel: 4, expert_parallel: 16}", 8, ValueError, ["expert_parallel 16", "2*1*4 = 8"]),
     ("parallelism: {expert_parallel: 4, moe_token_dispatcher_type: alltoall_deredundancy}", 8, ValueError,
      ["expert_parallel (4) >= npu_nums_per_device (8)"]),
+    ("parallelism: {expert_parallel: 6, moe_token_dispatcher_type: alltoall_deredundancy, npu_nums_per_device: 4}",
+     6, ValueError, ["expert_parallel (6) to be a multiple of npu_nums_per_device (4)", "whole nodes"]),
     ("parallelism: {moe_token_dispatcher_type: allgather}", 8, ValueError, ["'allgather'"]),
 ])
 def test_violations_raise_naming_fields_and_numbers(yaml_text: str, world: int, exc: type, words: list[str]) -> None:

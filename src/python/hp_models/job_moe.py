@@ -2,17 +2,18 @@
 
 Pure (no framework).  ``hp_protocols``' ``JobConfig.resolve`` already checks the parallelism
 config's own rules (``expert_parallel`` dividing ``dp_shard * cp * tp``, the deredundancy
-dispatcher needing ``expert_parallel >= npu_nums_per_device``); on top of them this module refuses,
-before any rank starts, what the trainer cannot run with the model actually built: expert
-parallelism on a dense model, an expert count the ep size does not divide, and the combinations
-of a mixture-of-experts model with parallelism the MoE path does not build yet.
+dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_device`` nodes); on
+top of them this module refuses, before any rank starts, what the trainer cannot run with the
+model actually built: expert parallelism on a dense model, an expert count the ep size does not
+divide, and the combinations of a mixture-of-experts model with parallelism the MoE path does not
+build yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_ep.dispatcher import TokenDispatcher, check_deredundancy_nodes
+from hp_ep.dispatcher import TokenDispatcher
 from hp_protocols.parallelism import ParallelDims, ParallelismConfig
 
 
@@ -46,10 +47,8 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
             f"expert_parallel={dims.ep} does not divide the model's {num_experts} experts (each ep rank holds "
             f"num_experts // ep of them); pick an expert_parallel that divides {num_experts}"
         )
+    # (resolve() checked the name and, for deredundancy, that ep is a whole number of nodes)
     dispatcher = TokenDispatcher.from_name(p.moe_token_dispatcher_type)
-    if dispatcher is TokenDispatcher.ALLTOALL_DEREDUNDANCY and dims.ep > 1:
-        # nodes of npu_nums_per_device ep ranks: the ep size must be a whole number of nodes
-        check_deredundancy_nodes(dims.ep, p.npu_nums_per_device)
     refused = [
         ("pipeline_parallel", dims.pp, "pipeline parallelism of the MoE model"),
         ("context_parallel", dims.cp, "context parallelism of the MoE model"),

@@ -257,6 +257,12 @@ def resolve(job: JobConfig, world_size: int) -> ParallelDims:
             f"moe_token_dispatcher_type alltoall_deredundancy needs expert_parallel ({ep}) >= "
             f"npu_nums_per_device ({p.npu_nums_per_device})"
         )
+    if p.moe_token_dispatcher_type == "alltoall_deredundancy" and ep % p.npu_nums_per_device:
+        # the dispatcher groups the ep ranks into nodes of npu_nums_per_device ranks
+        raise ValueError(
+            f"moe_token_dispatcher_type alltoall_deredundancy needs expert_parallel ({ep}) to be a multiple of "
+            f"npu_nums_per_device ({p.npu_nums_per_device}), so the ep group spans whole nodes"
+        )
     return ParallelDims(
         world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep,
         data_parallel=data_parallel, ulysses_degree=ulysses, num_accumulation_steps=accumulation,
