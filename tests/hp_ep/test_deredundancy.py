@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from moe_cases import full_of, local_of, perturbed_model, seeded_block, tiny_model_config
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -83,20 +84,12 @@ def _layer_case(rank: int, world: int, seed: int, node_size: int, every_expert: 
 
     from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
     from hp_ep import DeredundancyExpertParallel, ExpertParallel
-    from hp_models.qwen3_5_moe import SparseMoeBlock
     from hp_tp import parallelize_module
 
     case = random.Random(seed)
     cfg = _block_config(case, every_expert)
     skew = case.random() < 0.25 and not every_expert
-    torch.manual_seed(seed)
-    ref = SparseMoeBlock(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.3)
-        if skew:  # every token's largest logit is one expert's: it gets all the traffic
-            ref.gate.weight.zero_()
-            ref.gate.weight[case.randrange(cfg.num_experts)] = 5.0
+    ref = seeded_block(cfg, seed, case, skew)
     ours, plain = copy.deepcopy(ref), copy.deepcopy(ref)
     empty = case.randrange(world) if case.random() < 0.4 else -1
     xs = [torch.randn(0 if r == empty else case.choice([1, 2, 3]), case.choice([3, 5]), cfg.hidden_size)
@@ -190,14 +183,6 @@ def test_moe_layer_matches_one_process_and_moves_fewer_rows_across_nodes(world, 
           f"nodes over all cases {ours} vs plain all-to-all {plain}")
 
 
-def _tiny():
-    from hp_models.qwen3_5_moe import tiny_moe_config
-
-    return tiny_moe_config(vocab_size=64, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
-                           intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                           chunk_size=8, num_experts_per_tok=4, router_aux_loss_coef=0.1)
-
-
 def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
     """The tiny MoE model (top-4 of 8) under the composed plan with the de-duplicating dispatcher,
     nodes of 2 ep ranks; 3 AdamW steps against one process averaging the data-parallel batches."""
@@ -205,7 +190,6 @@ def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
 
     from hp_dtensor import CommDebugMode
     from hp_ep import DeredundancyExpertParallel, TokenDispatcher
-    from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
     from hp_protocols import JobConfig
 
@@ -213,12 +197,8 @@ def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
     dense, sparse = dims.build_mesh("cpu")
     dp_group, efsdp_group = dense["fsdp"].get_group(0), sparse["efsdp"].get_group(0)
     dp_rank = dense["fsdp"].get_local_rank(0)
-    cfg = _tiny()
-    torch.manual_seed(seed)
-    ref = Qwen3_5MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    cfg = tiny_model_config(num_experts_per_tok=4)
+    ref = perturbed_model(cfg, seed)
     model = copy.deepcopy(ref)
     styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"],
                                      dispatcher=TokenDispatcher.ALLTOALL_DEREDUNDANCY, npu_nums_per_device=2)
@@ -247,8 +227,8 @@ def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
         torch.testing.assert_close(total / dims.dp_shard, ref_loss.detach(), rtol=RTOL, atol=ATOL)
         worst["loss"] = max(worst["loss"], abs((total / dims.dp_shard - ref_loss).item()))
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            dist.all_reduce(_local(p.grad), group=efsdp_group if "experts" in name else dp_group)
-            g = _full(p.grad)
+            dist.all_reduce(local_of(p.grad), group=efsdp_group if "experts" in name else dp_group)
+            g = full_of(p.grad)
             torch.testing.assert_close(g, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
             worst["grad"] = max(worst["grad"], (g - q.grad).abs().max().item())
         # conserved: every layer runs each token copy once, over all ranks
@@ -262,18 +242,10 @@ def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            full = _full(p)
+            full = full_of(p)
             torch.testing.assert_close(full, q, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
             worst["param"] = max(worst["param"], (full - q).abs().max().item())
     return worst
-
-
-def _local(t):
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 4), (2, 2)], ids=["ep4_tp2_nodes2", "ep2xtp2_nodes2"])

@@ -20,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from moe_cases import full_of, local_of, perturbed_model, tiny_model_config
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -28,20 +29,11 @@ pool4 = rank_pool_fixture(4, timeout=240)
 RTOL, ATOL = 1.5e-4, 1e-5
 
 
-def _tiny():
-    from hp_models.qwen3_5_moe import tiny_moe_config
-
-    return tiny_moe_config(vocab_size=64, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
-                           intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                           chunk_size=8, router_aux_loss_coef=0.1)
-
-
 def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool = False) -> dict:
     import torch.distributed as dist
 
     from hp_dtensor import CommDebugMode
     from hp_ep.dispatch import COUNT_HEADER
-    from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
     from hp_protocols import JobConfig
 
@@ -50,12 +42,8 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
     dp_group, efsdp_group = dense["fsdp"].get_group(0), sparse["efsdp"].get_group(0)
     dp_rank = dense["fsdp"].get_local_rank(0)
 
-    cfg = _tiny()
-    torch.manual_seed(seed)
-    ref = Qwen3_5MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    cfg = tiny_model_config()
+    ref = perturbed_model(cfg, seed)
     ref = ref.to(torch.float64)
     model = copy.deepcopy(ref)
     styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"])
@@ -96,8 +84,8 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
         worst["loss"] = max(worst["loss"], abs((total / dims.dp_shard - ref_loss).item()))
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             if not fsdp:  # data-parallel sum: dense parameters over the dense fsdp dim, experts over efsdp
-                dist.all_reduce(_local(p.grad), group=efsdp_group if "experts" in name else dp_group)
-            g = _full(p.grad)
+                dist.all_reduce(local_of(p.grad), group=efsdp_group if "experts" in name else dp_group)
+            g = full_of(p.grad)
             torch.testing.assert_close(g, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
             worst["grad"] = max(worst["grad"], (g - q.grad).abs().max().item())
         # conserved: every layer dispatches each token copy once, over all ranks
@@ -108,21 +96,13 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            full = _full(p)
+            full = full_of(p)
             torch.testing.assert_close(full, q, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
             worst["param"] = max(worst["param"], (full - q).abs().max().item())
-    expert_bytes = sum(_local(p).numel() for n, p in model.named_parameters() if "experts" in n)
+    expert_bytes = sum(local_of(p).numel() for n, p in model.named_parameters() if "experts" in n)
     worst["expert_share"] = expert_bytes / sum(q.numel() for n, q in ref.named_parameters() if "experts" in n)
     worst["efsdp"] = dims.efsdp
     return worst
-
-
-def _local(t):
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 2), (2, 4), (4, 2)], ids=["ep2xtp2", "ep4_tp2", "ep2_tp4"])

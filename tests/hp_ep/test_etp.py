@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from moe_cases import full_of, local_of, perturbed_model, tiny_model_config
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -24,28 +25,11 @@ pool4 = rank_pool_fixture(4, timeout=240)
 RTOL, ATOL = 1.5e-4, 1e-5
 
 
-def _tiny():
-    from hp_models.qwen3_5_moe import tiny_moe_config
-
-    return tiny_moe_config(vocab_size=64, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
-                           intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                           chunk_size=8, router_aux_loss_coef=0.1)
-
-
-def _local(t):
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _etp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
     import torch.distributed as dist
 
     from hp_dtensor import CommDebugMode, init_device_mesh
     from hp_ep import ExpertTensorParallel
-    from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
 
     dp, etp = world // tp, tp // ep
@@ -53,12 +37,8 @@ def _etp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
     # the sparse ranks with the TP part of efsdp named: ep innermost, then the etp ranks of one TP group
     sparse = init_device_mesh("cpu", (dp, etp, ep), mesh_dim_names=("edp", "etp", "ep"))
     dp_group, edp_group, dp_rank = dense["fsdp"].get_group(0), sparse["edp"].get_group(0), dense.get_local_rank(0)
-    cfg = _tiny()
-    torch.manual_seed(seed)
-    ref = Qwen3_5MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    cfg = tiny_model_config()
+    ref = perturbed_model(cfg, seed)
     model = copy.deepcopy(ref)
     styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"], etp_mesh=sparse["etp"])
     assert len(styles) == cfg.num_hidden_layers and all(isinstance(s, ExpertTensorParallel) for s in styles)
@@ -89,8 +69,8 @@ def _etp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
         worst["loss"] = max(worst["loss"], abs((total / dp - ref_loss).item()))
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
             # data-parallel sum: experts over the replicas of their (ep, etp) shard, the rest over fsdp
-            dist.all_reduce(_local(p.grad), group=edp_group if "experts" in name else dp_group)
-            g = _full(p.grad)
+            dist.all_reduce(local_of(p.grad), group=edp_group if "experts" in name else dp_group)
+            g = full_of(p.grad)
             torch.testing.assert_close(g, q.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
             worst["grad"] = max(worst["grad"], (g - q.grad).abs().max().item())
         routed = torch.tensor([[sum(s.plans[-1].send_counts), sum(s.plans[-1].local_counts)] for s in styles])
@@ -100,10 +80,10 @@ def _etp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            full = _full(p)
+            full = full_of(p)
             torch.testing.assert_close(full, q, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
             worst["param"] = max(worst["param"], (full - q).abs().max().item())
-    held = sum(_local(p).numel() for n, p in model.named_parameters() if "experts" in n)
+    held = sum(local_of(p).numel() for n, p in model.named_parameters() if "experts" in n)
     worst["expert_share"] = held / sum(q.numel() for n, q in ref.named_parameters() if "experts" in n)
     return worst
 
@@ -130,16 +110,16 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     other = init_device_mesh("cpu", (world,), mesh_dim_names=("etp",))
     messages = []
     with pytest.raises(ValueError, match="needs an ep_mesh from the same mesh .* and the alltoall dispatcher") as e:
-        parallelize_qwen3_5_moe(Qwen3_5MoeForCausalLM(_tiny()), ep_mesh=sparse["ep"], etp_mesh=sparse["etp"],
+        parallelize_qwen3_5_moe(Qwen3_5MoeForCausalLM(tiny_model_config()), ep_mesh=sparse["ep"], etp_mesh=sparse["etp"],
                                 dispatcher=TokenDispatcher.ALLTOALL_DEREDUNDANCY, npu_nums_per_device=2)
     messages.append(str(e.value))
     with pytest.raises(ValueError, match="ep_etp_mesh needs two 1-D dims sliced by name from one mesh"):
         ep_etp_mesh(sparse["ep"], other["etp"])
     with pytest.raises(ValueError, match=r"needs a 2-D \(ep, etp\) mesh with dim names, got 1 dims"):
-        ExpertTensorParallel().apply(SparseMoeBlock(_tiny()).experts, sparse["ep"])
+        ExpertTensorParallel().apply(SparseMoeBlock(tiny_model_config()).experts, sparse["ep"])
     with pytest.raises(ValueError, match=r"holds parameters \['down_proj', 'gate_proj', 'up_proj'\], the style "
                                          r"splits columns of \['w1', 'w3'\] and rows of \['w2'\]"):
-        ExpertTensorParallel(column=("w1", "w3"), row=("w2",)).apply(SparseMoeBlock(_tiny()).experts,
+        ExpertTensorParallel(column=("w1", "w3"), row=("w2",)).apply(SparseMoeBlock(tiny_model_config()).experts,
                                                                      ep_etp_mesh(sparse["ep"], sparse["etp"]))
     return messages
 

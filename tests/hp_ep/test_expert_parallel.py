@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from moe_cases import perturbed_model, seeded_block
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -42,20 +43,12 @@ def _layer_case(rank: int, world: int, seed: int) -> dict:
     from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
     from hp_ep import ExpertParallel
     from hp_ep.dispatch import COUNT_HEADER
-    from hp_models.qwen3_5_moe import SparseMoeBlock
     from hp_tp import parallelize_module
 
     case = random.Random(seed)
     cfg = _block_config(case)
     skew = case.random() < 0.3
-    torch.manual_seed(seed)
-    ref = SparseMoeBlock(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.3)
-        if skew:  # every token's largest logit is one expert's: it gets all the traffic
-            ref.gate.weight.zero_()
-            ref.gate.weight[case.randrange(cfg.num_experts)] = 5.0
+    ref = seeded_block(cfg, seed, case, skew)
     block = copy.deepcopy(ref)
     # every rank draws every rank's batch (one of them may be empty)
     empty = case.randrange(world) if case.random() < 0.4 else -1
@@ -163,17 +156,13 @@ def _model_case(rank: int, world: int, seed: int) -> float:
 
     from hp_dtensor import DTensor, init_device_mesh
     from hp_ep import ExpertParallel
-    from hp_models.qwen3_5_moe import Qwen3_5MoeForCausalLM, tiny_moe_config
+    from hp_models.qwen3_5_moe import tiny_moe_config
     from hp_tp import parallelize_module
 
     cfg = tiny_moe_config(vocab_size=64, hidden_size=32, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
                           moe_intermediate_size=16, shared_expert_intermediate_size=16, chunk_size=8,
                           router_aux_loss_coef=0.1)
-    torch.manual_seed(seed)
-    ref = Qwen3_5MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    ref = perturbed_model(cfg, seed)
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     for layer in model.model.layers:
