@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from train_reference import single_process_run, worst_difference
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 from hp_models import train
@@ -38,21 +39,6 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
             "describe": layout.describe()}
 
 
-def _single(argv: list[str], out: Path) -> list[float]:
-    """The same run on one process (the trainer's ``--compare-single`` reference)."""
-    from hp_models.job import single_process
-
-    args = train.parse_args([*argv, "--out-dir", str(out)])
-    config, layout = train.check_args(args)
-    one = single_process(layout, train.model_sizes(config))
-    return list(train.train(args, one, config, 0, distributed=False, quiet=True)["losses"])
-
-
-def _worst(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) for a, b in zip(got, want))
-
-
 @pytest.mark.parametrize("job,flags,layout", [
     (COLOSSAL, [], {"cp": 2, "cp_method": "colossal", "dp_shard": 2, "tp": 1, "accumulation_steps": 2}),
     (COLOSSAL, ["--tp", "2", "--dp-shard", "1"], {"cp": 2, "cp_method": "colossal", "dp_shard": 1, "tp": 2}),
@@ -66,8 +52,8 @@ def test_example_cp_job_equals_one_process(pool4: RankPool, job: str, flags: lis
     for key, value in layout.items():
         assert res[0]["layout"][key] == value, (key, res[0]["layout"])
     assert all(r["losses"] == res[0]["losses"] for r in res)  # every rank reports the same losses
-    single = _single(argv, tmp_path / "single")
-    worst = _worst(res[0]["losses"], single)
+    single = single_process_run(argv, tmp_path / "single")["losses"]
+    worst = worst_difference(res[0]["losses"], single)
     print(f"\n[train cp] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single}\n"
           f"  max |diff| {worst:.2e}")
     assert worst < TOL, (res[0]["losses"], single)
@@ -76,13 +62,13 @@ def test_example_cp_job_equals_one_process(pool4: RankPool, job: str, flags: lis
 def test_checkpoint_reshards_from_cp2_to_cp1(pool4: RankPool, tmp_path) -> None:
     """cp=2 x dp_shard=2 saves at step 2, and dp_shard=4 without CP resumes to step 4: the straight
     run's losses (a checkpoint keeps the whole model's names under every layout)."""
-    straight = _single(["--job", COLOSSAL, "--steps", "4", *SHORT], tmp_path / "ref")
+    straight = single_process_run(["--job", COLOSSAL, "--steps", "4", *SHORT], tmp_path / "ref")["losses"]
     out = tmp_path / "run"
     part = pool4.run(_run, ["--job", COLOSSAL, "--steps", "2", "--out-dir", str(out), *SHORT])
     resumed = pool4.run(_run, ["--job", COLOSSAL, "--cp", "1", "--dp-shard", "4", "--steps", "4", "--out-dir",
                                str(out), "--resume", *SHORT])
     assert resumed[0]["start"] == 2 and resumed[0]["losses"][:2] == part[0]["losses"]
-    worst = _worst(resumed[0]["losses"], straight)
+    worst = worst_difference(resumed[0]["losses"], straight)
     print(f"\n[train cp checkpoint] {part[0]['describe']} saved step 2, {resumed[0]['describe']} resumed to 4: "
           f"max |loss - straight| {worst:.2e}")
     assert worst < TOL, (resumed[0]["losses"], straight)

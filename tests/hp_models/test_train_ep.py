@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from train_reference import single_process_run
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 from hp_models import train
@@ -45,12 +46,7 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
 
 def _single(argv: list[str], out: Path) -> dict[str, Any]:
     """The same run on one process, as ``--compare-single`` trains it."""
-    from hp_models.job import single_process
-
-    args = train.parse_args([*argv, "--out-dir", str(out)])
-    config, layout = train.check_args(args)
-    one = single_process(layout, train.model_sizes(config))
-    res = train.train(args, one, config, 0, distributed=False, quiet=True)
+    res = single_process_run(argv, out)
     return {"losses": res["losses"], "load": res["tokens_per_expert"]}
 
 

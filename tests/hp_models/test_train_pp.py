@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from train_reference import single_process_run, worst_difference
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 from hp_models import train
@@ -35,22 +36,6 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
             "describe": layout.describe()}
 
 
-def _single(argv: list[str], out: Path) -> list[float]:
-    """The same run at pp=1 on one process (the trainer's ``--compare-single`` reference), writing
-    its checkpoint under ``out``."""
-    from hp_models.job import single_process
-
-    args = train.parse_args([*argv, "--out-dir", str(out)])
-    config, layout = train.check_args(args)
-    one = single_process(layout, train.model_sizes(config))
-    return list(train.train(args, one, config, 0, distributed=False, quiet=True)["losses"])
-
-
-def _worst(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want), (got, want)
-    return max(abs(a - b) for a, b in zip(got, want))
-
-
 @pytest.mark.parametrize("job,layout", [
     (INTERLEAVED_TP, {"pp": 2, "interleave": 2, "tp": 2, "dp_shard": 1, "accumulation_steps": 4,
                       "stage_layers": [[0, 1], [2, 3], [4, 5], [6, 7]]}),
@@ -63,8 +48,8 @@ def test_example_pp_job_equals_pp1(pool4: RankPool, job: str, layout: dict[str, 
     for key, value in layout.items():
         assert res[0]["layout"][key] == value, (key, res[0]["layout"])
     assert all(r["losses"] == res[0]["losses"] for r in res)  # every rank reports the same losses
-    single = _single(argv, tmp_path / "single")
-    worst = _worst(res[0]["losses"], single)
+    single = single_process_run(argv, tmp_path / "single")["losses"]
+    worst = worst_difference(res[0]["losses"], single)
     print(f"\n[train pp] {res[0]['describe']}: losses {res[0]['losses']}\n  pp=1 one process {single}\n"
           f"  max |diff| {worst:.2e}")
     assert worst < TOL, (res[0]["losses"], single)
@@ -74,14 +59,14 @@ def test_checkpoint_reshards_across_a_change_of_pp(pool4: RankPool, tmp_path) ->
     """pp=2 x tp=2 saves at step 3 and resumes at pp=1 (tp=2 x dp_shard=2) to step 5, and the other
     way round: each continues the losses of the straight 5-step run."""
     pp_argv = ["--job", FSDP_TP, "--pp", "2", "--dp-shard", "1", "--local-batch-size", "4"]
-    straight = _single(["--job", FSDP_TP, "--steps", "5", *SHORT], tmp_path / "ref")
+    straight = single_process_run(["--job", FSDP_TP, "--steps", "5", *SHORT], tmp_path / "ref")["losses"]
     results = {}
     for name, first, then in (("pp2->pp1", pp_argv, ["--job", FSDP_TP]), ("pp1->pp2", ["--job", FSDP_TP], pp_argv)):
         out = tmp_path / name.replace(">", "")
         part = pool4.run(_run, [*first, "--steps", "3", "--out-dir", str(out), *SHORT])
         resumed = pool4.run(_run, [*then, "--steps", "5", "--out-dir", str(out), "--resume", *SHORT])
         assert resumed[0]["start"] == 3 and resumed[0]["losses"][:3] == part[0]["losses"]
-        results[name] = (_worst(resumed[0]["losses"], straight), part[0]["describe"], resumed[0]["describe"])
+        results[name] = (worst_difference(resumed[0]["losses"], straight), part[0]["describe"], resumed[0]["describe"])
         assert results[name][0] < TOL, (resumed[0]["losses"], straight)
     for name, (worst, a, b) in results.items():
         print(f"\n[train pp checkpoint] {name}: {a} saved step 3, {b} resumed to 5: max |loss - straight| {worst:.2e}")
