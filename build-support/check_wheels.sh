@@ -27,7 +27,9 @@ TORCH_VERSION="2.13.0"
 TORCH_FIND_LINKS="${TORCH_FIND_LINKS:-/opt/wheels}"
 MINDSPORE_VERSION="2.10.0"
 cache="${HP_WHEEL_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/hyper-parallel/wheels}"
-export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
+# No bytecode at install time: compiling all of torch and MindSpore costs about 12 s of CPU per venv,
+# while the examples import a small part of them (compiled on first import instead).
+export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_COMPILE=1
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 stage() { echo "-- $* (at ${SECONDS}s)"; }
