@@ -169,7 +169,7 @@ def test_hsdp_job_equals_single_process(pool4: RankPool, reference, tmp_path) ->
     ({"expert_parallel": 2}, ["expert_parallel=2 needs a mixture-of-experts model", "--config tiny-moe"]),
     ({"data_parallel_shard": 3}, ["data_parallel", "not divisible by data_parallel_shard 3"]),
     ({"reshard_after_forward_policy": "sometimes"}, ["reshard_after_forward_policy", "'sometimes'"]),
-    ({"tensor_paralel": 2}, ["unknown key(s) ['tensor_paralel']"]),
+    ({"tensor_paralel": 2}, ["unknown key(s) 'tensor_paralel' (did you mean 'tensor_parallel'?) in parallelism"]),
 ])
 def test_bad_parallelism_fails_before_any_rank_starts(parallelism, words, tmp_path) -> None:
     import yaml

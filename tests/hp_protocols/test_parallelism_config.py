@@ -210,8 +210,9 @@ def test_violations_raise_naming_fields_and_numbers(yaml_text: str, world: int, 
 @pytest.mark.parametrize("raw,words", [
     ({"parallelism": {"tensor_paralel": 2}}, ["tensor_paralel", "parallelism"]),
     ({"training": {"batch": 2}}, ["batch", "training"]),
-    ({"optimizer": {}}, ["optimizer"]),
-    ({"train_dataset": {"dataloader": {"config": {"shuffle": True}}}}, ["shuffle"]),
+    ({"parallelsim": {}}, ["'parallelsim'", "did you mean 'parallelism'"]),
+    ({"train_dataset": {"dataloader": {"config": {"create_compresed_eod_mask": True}}}},
+     ["'create_compresed_eod_mask'", "did you mean 'create_compressed_eod_mask'"]),
 ])
 def test_unknown_keys_are_rejected_by_name(raw: dict, words: list[str]) -> None:
     with pytest.raises(ValueError) as info:

@@ -1,5 +1,7 @@
 """How a training run is laid out over ranks: a job file's ``parallelism:`` and ``training:``
-sections, overridden by command-line flags, resolved into the numbers the trainer uses.
+sections, overridden by command-line flags, resolved into the numbers the trainer uses.  The job
+file may be a whole MindFormers file: ``read_job`` keeps what is read (``hp_protocols.job_file``
+has the rule) and names the rest, for the launcher to print once.
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +24,8 @@ from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
 from hp_protocols import JobConfig
-from hp_protocols.parallelism import ParallelDims
+from hp_protocols.job_file import describe_ignored
+from hp_protocols.parallelism import ParallelDims, job_file_parts
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 DEFAULT_TP = 2  # without a job file: the README's main job
@@ -155,8 +159,44 @@ class TrainLayout:
         return out
 
 
+@dataclass(frozen=True)
+class JobFile:
+    """A job file read: the parts the trainer reads, canonical, and what it ignores."""
+
+    path: str
+    raw: dict[str, Any]  # parallelism / training / model facts / train_dataset flags
+    ignored: tuple[str, ...]  # dotted names of the sections and keys not read
+
+    def note(self) -> str | None:
+        """The one line naming what is ignored (None when nothing is)."""
+        if not self.ignored:
+            return None
+        return f"note: job file {self.path}: {describe_ignored(self.ignored)}"
+
+    def announce(self) -> None:
+        """Print ``note()`` once per job: by the launcher, or by rank 0 under ``torchrun``."""
+        line = self.note()
+        if line is not None and os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr, flush=True)
+
+
+def read_job(path: str) -> JobFile:
+    """A YAML job file, whole MindFormers files included: ``ValueError`` when it is missing, not a
+    mapping, or misspells a key that is read (``hp_protocols.job_file`` has the rule)."""
+    whole = _load_yaml(path)
+    try:
+        parts = job_file_parts(whole)
+    except ValueError as e:
+        raise ValueError(f"job file {path}: {e}") from None
+    return JobFile(path=path, raw=parts.canonical(), ignored=parts.ignored)
+
+
 def read_job_file(path: str) -> dict[str, Any]:
-    """The raw mapping of a YAML job file; ``ValueError`` when it is missing or not a mapping."""
+    """The parts of a YAML job file the trainer reads, as a canonical mapping (see ``read_job``)."""
+    return read_job(path).raw
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     if not os.path.isfile(path):
@@ -182,9 +222,8 @@ def plan(
     each data-parallel rank takes its share of the batch in one micro-step, or in ``pp``
     microbatches under pipeline parallelism when they divide it.  Raises ``ValueError`` (a
     ``PipelineConfigError`` for a layer split) saying what to change."""
-    job = copy.deepcopy(raw) if raw is not None else {}
-    if not isinstance(job.get("parallelism") or {}, dict) or not isinstance(job.get("training") or {}, dict):
-        raise ValueError("the job's parallelism: and training: sections must be mappings")
+    # the parts of a (whole MindFormers) job file that are read, canonical: model facts flat
+    job = copy.deepcopy(job_file_parts(raw).canonical()) if raw is not None else {}
     par = dict(job.get("parallelism") or {})
     train = dict(job.get("training") or {})
     if raw is None and overrides.tp is None:

@@ -49,6 +49,7 @@ from hp_models.job import (
     Overrides,
     TrainLayout,
     plan,
+    read_job,
     read_job_file,
     single_process,
 )
@@ -82,7 +83,9 @@ class Args:
 
 def parse_args(argv: list[str] | None = None) -> Args:
     p = argparse.ArgumentParser(prog="python -m hp_models.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", default=None, help="job YAML with parallelism: and training: sections; flags override it")
+    p.add_argument("--job", default=None,
+                   help="job YAML (a whole MindFormers file: parallelism:, training:'s batch sizes and model:'s "
+                        "sizes are read, other sections are named once as ignored); flags override it")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (tensor_parallel); default: the job's, or 2 without --job")
     p.add_argument("--dp-shard", type=int, default=None,
@@ -185,7 +188,8 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     if env_world is not None and args.nproc is not None and args.nproc != world:
         sys.exit(f"error: {where}--nproc {args.nproc} disagrees with the launcher's ranks; drop --nproc")
     try:
-        raw = read_job_file(args.job) if args.job is not None else None
+        job = read_job(args.job) if args.job is not None else None
+        raw = job.raw if job is not None else None
         config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
         check_tp_size(config, layout.tp)
@@ -196,6 +200,8 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     if layout.cp == 1 and args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
     check_checkpoint_dir(args, config, layout)
+    if job is not None:
+        job.announce()  # the sections and keys of a MindFormers file this trainer does not read
     return config, layout
 
 

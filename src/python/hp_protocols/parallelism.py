@@ -2,7 +2,8 @@
 
 A job file has a ``parallelism:`` section (``ParallelismConfig``), a ``training:`` section (batch
 sizes) and optionally the ``model:`` facts and ``train_dataset.dataloader.config`` flags the rules
-need (head and layer counts, attention-mask compression).  ``ParallelismConfig.resolve(world_size,
+need (head and layer counts, attention-mask compression); a whole MindFormers file is accepted,
+its other sections named as ignored (``hp_protocols.job_file``).  ``ParallelismConfig.resolve(world_size,
 ...)`` checks every rule and returns the derived sizes (``ParallelDims``).  Pure: no framework.
 """
 
@@ -11,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from hp_protocols.job_file import JobFileParts, split_job_file
 
 _RESHARD = ("always", "never", "default")
 _CP_METHODS = ("colossal", "ulysses", "hybrid")
@@ -76,24 +80,22 @@ class JobConfig:
     model: ModelFacts = field(default_factory=ModelFacts)
     data: DataFacts = field(default_factory=DataFacts)
 
+    # dotted names of the job file's sections and keys this config does not read (printed once by
+    # the caller; see ``hp_protocols.job_file`` for which are read and which raise)
+    ignored: tuple[str, ...] = ()
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
-        """Sections ``parallelism``, ``training``, ``model``, ``train_dataset``; unknown keys raise
-        ``ValueError`` naming them."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"a job config must be a mapping, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - {"parallelism", "training", "model", "train_dataset"})
-        if unknown:
-            raise ValueError(f"unknown config section(s) {unknown}; expected parallelism, training, model, train_dataset")
-        data_raw = (((raw.get("train_dataset") or {}).get("dataloader") or {}).get("config")) or {}
-        extra_ds = sorted(set(raw.get("train_dataset") or {}) - {"dataloader"})
-        if extra_ds:
-            raise ValueError(f"unknown key(s) {extra_ds} in train_dataset; only dataloader.config is read")
+        """A whole MindFormers job file's mapping: ``parallelism`` and ``training`` read whole,
+        the model and data-set facts the rules need, every other section and key named in
+        ``ignored``; a misspelt key raises ``ValueError`` naming it (``hp_protocols.job_file``)."""
+        parts = job_file_parts(raw)
         return cls(
-            parallelism=_build(ParallelismConfig, raw.get("parallelism") or {}, "parallelism"),
-            training=_build(TrainingConfig, raw.get("training") or {}, "training"),
-            model=_build(ModelFacts, raw.get("model") or {}, "model"),
-            data=_build(DataFacts, data_raw, "train_dataset.dataloader.config"),
+            parallelism=_build(ParallelismConfig, parts.parallelism, "parallelism"),
+            training=_build(TrainingConfig, parts.training, "training"),
+            model=_build(ModelFacts, parts.model, "model"),
+            data=_build(DataFacts, parts.data, "train_dataset.dataloader.config"),
+            ignored=parts.ignored,
         )
 
     @classmethod
@@ -110,10 +112,19 @@ class JobConfig:
         return resolve(self, world_size)
 
 
+def job_file_parts(raw: Mapping[str, Any]) -> JobFileParts:
+    """What this config reads of a whole job file's mapping, canonical, and what it ignores."""
+    return split_job_file(raw, _field_names(ParallelismConfig), _field_names(TrainingConfig))
+
+
+def _field_names(cls: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
 def _build(cls: Any, raw: dict[str, Any], section: str) -> Any:
     if not isinstance(raw, dict):
         raise ValueError(f"section {section!r} must be a mapping, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(_field_names(cls))
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {section}; known keys are {sorted(names)}")
@@ -200,14 +211,18 @@ def resolve(job: JobConfig, world_size: int) -> ParallelDims:
                  "pipeline_parallel_interleave_num", "npu_nums_per_device"):
         _positive(name, getattr(p, name))
     tp, cp, pp, ep = p.tensor_parallel, p.context_parallel, p.pipeline_parallel, p.expert_parallel
-    if world_size % (tp * pp * cp) != 0:
+    model_ranks = tp * pp * cp
+    if world_size < model_ranks:
+        raise ValueError(
+            f"data_parallel = world_size // (tensor_parallel*pipeline_parallel*context_parallel) = {world_size} // "
+            f"({tp}*{pp}*{cp}) = {world_size // model_ranks} must be >= 1: the job needs at least {model_ranks} ranks"
+        )
+    if world_size % model_ranks != 0:
         raise ValueError(
             f"world_size {world_size} is not divisible by tensor_parallel*pipeline_parallel*context_parallel "
-            f"= {tp}*{pp}*{cp} = {tp * pp * cp}"
+            f"= {tp}*{pp}*{cp} = {model_ranks}"
         )
-    data_parallel = world_size // (tp * pp * cp)
-    if data_parallel < 1:
-        raise ValueError(f"data_parallel = world_size // (tp*pp*cp) = {world_size} // {tp * pp * cp} must be >= 1")
+    data_parallel = world_size // model_ranks
     shard = p.data_parallel_shard
     if shard == -1:
         dp_shard = data_parallel
