@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
-from hp_protocols import JobConfig
+from hp_protocols import ActivationCheckpointConfig, ActivationCheckpointMode, FloatDType, JobConfig
 from hp_protocols.parallelism import ParallelDims
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
@@ -37,6 +37,9 @@ class Overrides:
     ep: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
+    activation_checkpoint: ActivationCheckpointMode | None = None  # --activation-checkpoint
+    ac_every: int | None = None  # --ac-every: selective_ac_option
+    param_dtype: FloatDType | None = None  # --mixed-precision (bf16: bfloat16, none: float32)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ class TrainLayout:
     # data are packed documents, also without context parallelism)
     context: ContextParallelConfig = ContextParallelConfig(compression=MaskCompression.NONE)
     moe: MoeSettings | None = None  # a mixture-of-experts model's expert-parallel settings
+    # trainer features (hp_models.activation_checkpoint, hp_models.mixed_precision)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    param_dtype: FloatDType = FloatDType.FLOAT32
+    reduce_dtype: FloatDType = FloatDType.FLOAT32
 
     @property
     def pp(self) -> int:
@@ -152,6 +159,12 @@ class TrainLayout:
             out.update({"cp": d.cp, "cp_method": self.context.method.value, "ulysses_degree": d.ulysses_degree})
         if d.ep > 1:
             out.update({"ep": d.ep, "efsdp": d.efsdp})
+        ac = self.activation_checkpoint
+        if ac.mode is not ActivationCheckpointMode.NONE:
+            out["activation_checkpoint"] = ac.mode.value + (f" every {ac.every}" if ac.mode is
+                                                            ActivationCheckpointMode.SELECTIVE else "")
+        if self.param_dtype is not FloatDType.FLOAT32 or self.reduce_dtype is not FloatDType.FLOAT32:
+            out.update({"param_dtype": self.param_dtype.value, "reduce_dtype": self.reduce_dtype.value})
         return out
 
 
@@ -206,6 +219,11 @@ def plan(
     if overrides.local_batch_size is not None:
         train["local_batch_size"] = overrides.local_batch_size
     train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
+    if overrides.param_dtype is not None:
+        train["param_dtype"] = overrides.param_dtype.value
+        if overrides.param_dtype is FloatDType.FLOAT32:  # --mixed-precision none: float32 everywhere
+            train["reduce_dtype"] = FloatDType.FLOAT32.value
+    job["activation_checkpoint"] = _ac_section(job.get("activation_checkpoint"), overrides)
     job["parallelism"], job["training"] = par, train
     job["model"] = _model_facts(dict(job.get("model") or {}), model)
 
@@ -251,11 +269,60 @@ def plan(
             f"context_parallel {dims.cp} with pipeline_parallel {dims.pp}: context parallelism inside a pipeline "
             f"is not built in this trainer yet; set pipeline_parallel: 1 (or context_parallel: 1)"
         )
-    return TrainLayout(
+    layout = TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
         overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims), moe=moe,
+        activation_checkpoint=config.activation_checkpoint, param_dtype=config.training.param_dtype,
+        reduce_dtype=config.training.reduce_dtype,
     )
+    _check_features(layout)
+    return layout
+
+
+def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
+    """The job's ``activation_checkpoint:`` section with the flags applied.  ``--ac-every`` is
+    the block interval of ``selective`` and means nothing under another mode: refused there."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError("the job's activation_checkpoint: section must be a mapping (mode, selective_ac_option)")
+    section = dict(raw or {})
+    if overrides.activation_checkpoint is not None:
+        section["mode"] = overrides.activation_checkpoint.value
+    if overrides.ac_every is not None:
+        section["selective_ac_option"] = str(overrides.ac_every)
+        mode = ActivationCheckpointMode.parse(section.get("mode", ActivationCheckpointMode.NONE.value))
+        if mode is not ActivationCheckpointMode.SELECTIVE:
+            raise ValueError(
+                f"--ac-every {overrides.ac_every} sets the block interval of selective activation checkpointing, "
+                f"but the mode is {mode.value!r}; add --activation-checkpoint selective (or drop --ac-every)"
+            )
+    return section
+
+
+def _check_features(layout: TrainLayout) -> None:
+    """Trainer features this layout cannot run: mixed precision is applied by ``fully_shard``
+    (it needs data-parallel sharding); neither feature is built into the pipeline, context-parallel
+    or mixture-of-experts paths yet."""
+    ac = layout.activation_checkpoint.mode is not ActivationCheckpointMode.NONE
+    mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
+    what = [name for name, on in (("activation_checkpoint.mode " + layout.activation_checkpoint.mode.value, ac),
+                                  (f"param_dtype {layout.param_dtype.value} / reduce_dtype "
+                                   f"{layout.reduce_dtype.value}", mixed)) if on]
+    if not what:
+        return
+    paths = [name for name, on in (("pipeline_parallel > 1", layout.pp > 1), ("context_parallel > 1", layout.cp > 1),
+                                   ("a mixture-of-experts model", layout.moe is not None)) if on]
+    if paths:
+        raise ValueError(
+            f"{' and '.join(what)} with {' and '.join(paths)}: not built in this trainer yet; use the dense model "
+            f"with tensor and data parallelism, or set activation_checkpoint.mode: none and float32 dtypes"
+        )
+    if mixed and not layout.uses_fsdp:
+        raise ValueError(
+            f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}: mixed precision is "
+            f"applied by fully_shard, and this layout has no data-parallel sharding ({layout.describe()}); add "
+            f"data-parallel ranks (e.g. --dp-shard 2 with --nproc = 2 * tp), or use float32 (--mixed-precision none)"
+        )
 
 
 def _context(config: JobConfig, dims: ParallelDims) -> ContextParallelConfig:

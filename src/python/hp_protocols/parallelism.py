@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from hp_protocols.train_features import ActivationCheckpointConfig, FloatDType
+
 _RESHARD = ("always", "never", "default")
 _CP_METHODS = ("colossal", "ulysses", "hybrid")
 _DISPATCHERS = ("alltoall", "alltoall_deredundancy")
@@ -50,6 +52,14 @@ class ParallelismConfig:
 class TrainingConfig:
     global_batch_size: int | None = None
     local_batch_size: int = 1
+    # mixed precision (FSDP2's MixedPrecisionPolicy): compute dtype of the gathered parameters,
+    # and dtype of the gradient reduction; the optimizer's master parameters stay float32
+    param_dtype: FloatDType = FloatDType.FLOAT32
+    reduce_dtype: FloatDType = FloatDType.FLOAT32
+
+    def __post_init__(self) -> None:
+        self.param_dtype = FloatDType.parse(self.param_dtype, "param_dtype")
+        self.reduce_dtype = FloatDType.parse(self.reduce_dtype, "reduce_dtype")
 
 
 @dataclass(kw_only=True)
@@ -75,16 +85,18 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     model: ModelFacts = field(default_factory=ModelFacts)
     data: DataFacts = field(default_factory=DataFacts)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
-        """Sections ``parallelism``, ``training``, ``model``, ``train_dataset``; unknown keys raise
-        ``ValueError`` naming them."""
+        """Sections ``parallelism``, ``training``, ``model``, ``train_dataset``,
+        ``activation_checkpoint``; unknown keys raise ``ValueError`` naming them."""
         if not isinstance(raw, dict):
             raise ValueError(f"a job config must be a mapping, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - {"parallelism", "training", "model", "train_dataset"})
+        sections = {"parallelism", "training", "model", "train_dataset", "activation_checkpoint"}
+        unknown = sorted(set(raw) - sections)
         if unknown:
-            raise ValueError(f"unknown config section(s) {unknown}; expected parallelism, training, model, train_dataset")
+            raise ValueError(f"unknown config section(s) {unknown}; expected {', '.join(sorted(sections))}")
         data_raw = (((raw.get("train_dataset") or {}).get("dataloader") or {}).get("config")) or {}
         extra_ds = sorted(set(raw.get("train_dataset") or {}) - {"dataloader"})
         if extra_ds:
@@ -94,6 +106,8 @@ class JobConfig:
             training=_build(TrainingConfig, raw.get("training") or {}, "training"),
             model=_build(ModelFacts, raw.get("model") or {}, "model"),
             data=_build(DataFacts, data_raw, "train_dataset.dataloader.config"),
+            activation_checkpoint=_build(ActivationCheckpointConfig, raw.get("activation_checkpoint") or {},
+                                         "activation_checkpoint"),
         )
 
     @classmethod
