@@ -29,12 +29,12 @@ def _model(mode: str, option: str) -> Any:
     from hp_models.activation_checkpoint import apply_activation_checkpoint
     from hp_models.qwen3_5 import tiny_config
     from hp_models.qwen3_5.model import decoder_layers
-    from hp_protocols import ActivationCheckpointConfig
+    from hp_protocols import ActivationCheckpointConfig, ActivationCheckpointMode
 
     torch.manual_seed(0)
     model = tiny_config().build()
     model.init_weights()
-    apply_activation_checkpoint(decoder_layers(model.model), ActivationCheckpointConfig(mode=mode, selective_ac_option=option))
+    apply_activation_checkpoint(decoder_layers(model.model), ActivationCheckpointConfig(mode=ActivationCheckpointMode.parse(mode), selective_ac_option=option))
     return model
 
 

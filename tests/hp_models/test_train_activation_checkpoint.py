@@ -4,7 +4,9 @@ without it (none, full, selective every 2nd and every 3rd block), on one process
 trainer's own build at tp=2 x dp_shard=2 on 4 gloo ranks (checkpointing applied after TP and before
 fully_shard, so the recomputation re-runs the TP collectives and needs FSDP to gather again); the
 activation bytes a forward keeps for backward are counted (saved-tensor hooks) and fall
-full < selective < none; the job section and flags fail closed before any rank starts."""
+full < selective < none; under pipeline parallelism (pp=2 x tp=2) the losses are bit-equal too; the
+job section and flags fail closed before any rank starts (also context parallelism and the MoE
+model, where it is not built)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,20 @@ def test_tp2_dp2_losses_equal_over_steps(pool4: RankPool, tmp_path: Path) -> Non
     assert full["layout"]["activation_checkpoint"] == "full" and "activation_checkpoint" not in plain["layout"]
 
 
+def test_pp2_tp2_losses_equal(pool4: RankPool, tmp_path: Path) -> None:
+    """Pipeline parallelism (pp=2 x tp=2, 2 layers a stage, 1F1B over 2 microbatches): checkpointing
+    the model's layers 2 and 4 (selective every 2nd; one per stage) leaves the losses bit-equal."""
+
+    def argv(out: str, *flags: str) -> list[str]:
+        return ["--pp", "2", "--tp", "2", "--nproc", "4", "--out-dir", str(tmp_path / out), *SHORT, "--steps", "2",
+                *flags]
+
+    plain = pool4.run(_train, argv("plain"), timeout=300)[0]
+    every2 = pool4.run(_train, argv("every2", "--activation-checkpoint", "selective"), timeout=300)[0]
+    assert every2["losses"] == plain["losses"] and len(plain["losses"]) == 2
+    assert every2["layout"]["activation_checkpoint"] == "selective every 2" and every2["layout"]["pp"] == 2
+
+
 def _train(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     args = train.parse_args(argv)
     config, layout = train.check_args(args)
@@ -136,21 +152,26 @@ def test_saved_activation_bytes_fall() -> None:
 
 
 # ---------------------------------------------------------------- before any rank starts
-@pytest.mark.parametrize("section,flags,words", [
-    ({"mode": "sometimes"}, [], ["activation_checkpoint.mode", "'sometimes'", "'selective'"]),
-    ({"mode": "selective", "selective_ac_option": "op"}, [], ["selective_ac_option", "'op'", "positive integer"]),
-    ({"mode": "selective", "selective_ac_option": 0}, [], ["selective_ac_option", "positive integer", "0"]),
-    ({"mode": "full", "every": 2}, [], ["unknown key(s) ['every'] in activation_checkpoint"]),
-    ({"mode": "full"}, ["--ac-every", "2"], ["--ac-every 2", "'full'", "--activation-checkpoint selective"]),
-    ({"mode": "full"}, ["--pp", "2"], ["activation_checkpoint.mode full", "pipeline_parallel > 1", "not built"]),
-])
-def test_bad_settings_fail_before_any_rank_starts(section, flags, words, tmp_path: Path) -> None:
+TP2 = {"parallelism": {"tensor_parallel": 2}}
+CP2 = {"parallelism": {"context_parallel": 2}, "model": {"use_attn_mask_compression": True}}
+
+
+@pytest.mark.parametrize("job,section,flags,words", [
+    (TP2, {"mode": "sometimes"}, [], ["activation_checkpoint.mode", "'sometimes'", "'selective'"]),
+    (TP2, {"mode": "selective", "selective_ac_option": "op"}, [], ["selective_ac_option", "'op'", "positive integer"]),
+    (TP2, {"mode": "selective", "selective_ac_option": 0}, [], ["selective_ac_option", "positive integer", "0"]),
+    (TP2, {"mode": "full", "every": 2}, [], ["unknown key(s) ['every'] in activation_checkpoint"]),
+    (TP2, {"mode": "full"}, ["--ac-every", "2"], ["--ac-every 2", "'full'", "--activation-checkpoint selective"]),
+    (CP2, {"mode": "full"}, [], ["activation_checkpoint.mode full", "context_parallel > 1", "not built"]),
+    (TP2, {"mode": "selective"}, ["--config", "tiny-moe"], ["mode selective", "mixture-of-experts", "not built"]),
+], ids=["mode", "op", "zero", "unknown-key", "every-without-selective", "cp", "moe"])
+def test_bad_settings_fail_before_any_rank_starts(job, section, flags, words, tmp_path: Path) -> None:
     import yaml
 
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"parallelism": {"tensor_parallel": 2}, "activation_checkpoint": section}))
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**job, "activation_checkpoint": section}))
     with pytest.raises(SystemExit) as info:
-        train.main(["--job", str(job), "--nproc", "4", *flags, "--out-dir", str(tmp_path / "out")])
+        train.main(["--job", str(path), "--nproc", "4", *flags, "--out-dir", str(tmp_path / "out")])
     msg = str(info.value.code)
     assert msg.startswith("error: ") and all(w in msg for w in words), msg
     assert not (tmp_path / "out").exists()

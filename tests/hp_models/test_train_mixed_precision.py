@@ -63,7 +63,7 @@ def _reference_bf16(steps: int, batch: int, seq_len: int, lr: float) -> list[flo
         loss = F.cross_entropy(work(ids).float().flatten(0, 1), tgt.flatten())
         loss.backward()
         opt.zero_grad()
-        for (name, p), (_, w) in zip(master.named_parameters(), work.named_parameters()):
+        for p, w in zip(master.parameters(), work.parameters()):
             p.grad = w.grad.float()  # reduced in float32, stepped on the float32 master weights
         opt.step()
         losses.append(loss.item())

@@ -300,26 +300,34 @@ def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
 
 
 def _check_features(layout: TrainLayout) -> None:
-    """Trainer features this layout cannot run: mixed precision is applied by ``fully_shard``
-    (it needs data-parallel sharding); neither feature is built into the pipeline, context-parallel
-    or mixture-of-experts paths yet."""
-    ac = layout.activation_checkpoint.mode is not ActivationCheckpointMode.NONE
+    """Trainer features this layout cannot run: activation checkpointing under context parallelism
+    or of the mixture-of-experts model; mixed precision outside the dense TP/FSDP path, or without
+    data-parallel sharding (``fully_shard`` applies it)."""
+    ac = layout.activation_checkpoint.mode
     mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
-    what = [name for name, on in (("activation_checkpoint.mode " + layout.activation_checkpoint.mode.value, ac),
-                                  (f"param_dtype {layout.param_dtype.value} / reduce_dtype "
-                                   f"{layout.reduce_dtype.value}", mixed)) if on]
-    if not what:
+    if ac is not ActivationCheckpointMode.NONE:
+        # under context parallelism the token mixers read the batch's document ends from state that
+        # is cleared after forward, so a recomputation in backward would not see them
+        paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
+                                       ("a mixture-of-experts model", layout.moe is not None)) if on]
+        if paths:
+            raise ValueError(
+                f"activation_checkpoint.mode {ac.value} with {' and '.join(paths)}: not built in this trainer yet; "
+                f"set activation_checkpoint.mode: none (--activation-checkpoint none)"
+            )
+    if not mixed:
         return
+    what = f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}"
     paths = [name for name, on in (("pipeline_parallel > 1", layout.pp > 1), ("context_parallel > 1", layout.cp > 1),
                                    ("a mixture-of-experts model", layout.moe is not None)) if on]
     if paths:
         raise ValueError(
-            f"{' and '.join(what)} with {' and '.join(paths)}: not built in this trainer yet; use the dense model "
-            f"with tensor and data parallelism, or set activation_checkpoint.mode: none and float32 dtypes"
+            f"{what} with {' and '.join(paths)}: mixed precision is not built in this trainer's "
+            f"{'/'.join(paths)} path yet; use float32 (--mixed-precision none)"
         )
-    if mixed and not layout.uses_fsdp:
+    if not layout.uses_fsdp:
         raise ValueError(
-            f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}: mixed precision is "
+            f"{what}: mixed precision is "
             f"applied by fully_shard, and this layout has no data-parallel sharding ({layout.describe()}); add "
             f"data-parallel ranks (e.g. --dp-shard 2 with --nproc = 2 * tp), or use float32 (--mixed-precision none)"
         )
