@@ -41,6 +41,7 @@ def _grads(model: Any) -> dict[str, Any]:
 def _one_step(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     """Build through the trainer, run one ``train_step``; rank 0 returns the whole gradients, the
     loss and which layers are checkpointed."""
+    from hp_dtensor.comm_debug import CommDebugMode
     from hp_models import synthetic
     from hp_models.activation_checkpoint import is_checkpointed
     from hp_models.qwen3_5.model import decoder_layers
@@ -49,10 +50,12 @@ def _one_step(rank: int, world: int, argv: list[str]) -> dict[str, Any] | None:
     config, layout = train.check_args(args)
     model, dp_rank = train.build_model(args, layout, config, distributed=world > 1)
     ids, tgt = synthetic.batch(args.seed, 0, layout.global_batch_size, args.seq_len, config.vocab_size)
-    loss = train.train_step(model, layout, dp_rank, ids, tgt, tp_loss=world > 1 and layout.tp > 1)
+    with CommDebugMode() as comm:
+        loss = train.train_step(model, layout, dp_rank, ids, tgt, tp_loss=world > 1 and layout.tp > 1)
     checkpointed = [i for i, b in enumerate(decoder_layers(model.model)) if is_checkpointed(b)]
     grads = _grads(model)
-    return {"grads": grads, "loss": loss, "checkpointed": checkpointed} if rank == 0 else None
+    return {"grads": grads, "loss": loss, "checkpointed": checkpointed,
+            "comm": comm.get_comm_counts()} if rank == 0 else None
 
 
 def _assert_bit_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -77,15 +80,21 @@ def test_one_process_gradients_bit_equal(tmp_path: Path) -> None:
 def test_tp2_dp2_gradients_bit_equal(pool4: RankPool, tmp_path: Path) -> None:
     argv = ["--tp", "2", "--dp-shard", "2", "--nproc", "4", "--out-dir", str(tmp_path), *SHORT]
     base = None
+    gathers = []
     for flags, want in MODES:
         run = pool4.run(_one_step, [*argv, *flags], timeout=300)[0]
         assert run["checkpointed"] == want, flags
+        gathers.append(run["comm"].get("all_gather", 0))
         if base is None:
             base = run
             continue
         assert run["loss"] == base["loss"], flags
         _assert_bit_equal(run["grads"], base["grads"])
-    print(f"\ntp=2 x dp_shard=2: {len(MODES)} modes, {len(base['grads'])} gradients each, bit-equal")
+    # the recomputation runs the checkpointed blocks' TP collectives again (sequence-parallel
+    # all-gathers at each token mixer and MLP): more of them the more blocks are checkpointed
+    assert gathers[0] < gathers[3] < gathers[2] < gathers[1], gathers
+    print(f"\ntp=2 x dp_shard=2: {len(MODES)} modes, {len(base['grads'])} gradients each, bit-equal; "
+          f"all_gathers per step (none, full, every 2nd, every 3rd): {gathers}")
 
 
 def test_tp2_dp2_losses_equal_over_steps(pool4: RankPool, tmp_path: Path) -> None:
