@@ -17,13 +17,13 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
-from hp_protocols import JobConfig
+from hp_protocols import ActivationCheckpointConfig, ActivationCheckpointMode, FloatDType, JobConfig
 from hp_protocols.job_file import describe_ignored
 from hp_protocols.parallelism import ParallelDims, job_file_parts
 
@@ -41,6 +41,9 @@ class Overrides:
     ep: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
+    activation_checkpoint: ActivationCheckpointMode | None = None  # --activation-checkpoint
+    ac_every: int | None = None  # --ac-every: selective_ac_option
+    param_dtype: FloatDType | None = None  # --mixed-precision (bf16: bfloat16, none: float32)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class TrainLayout:
     # data are packed documents, also without context parallelism)
     context: ContextParallelConfig = ContextParallelConfig(compression=MaskCompression.NONE)
     moe: MoeSettings | None = None  # a mixture-of-experts model's expert-parallel settings
+    # trainer features (hp_models.activation_checkpoint, hp_models.mixed_precision)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    param_dtype: FloatDType = FloatDType.FLOAT32
+    reduce_dtype: FloatDType = FloatDType.FLOAT32
 
     @property
     def pp(self) -> int:
@@ -156,6 +163,12 @@ class TrainLayout:
             out.update({"cp": d.cp, "cp_method": self.context.method.value, "ulysses_degree": d.ulysses_degree})
         if d.ep > 1:
             out.update({"ep": d.ep, "efsdp": d.efsdp})
+        ac = self.activation_checkpoint
+        if ac.mode is not ActivationCheckpointMode.NONE:
+            out["activation_checkpoint"] = ac.mode.value + (f" every {ac.every}" if ac.mode is
+                                                            ActivationCheckpointMode.SELECTIVE else "")
+        if self.param_dtype is not FloatDType.FLOAT32 or self.reduce_dtype is not FloatDType.FLOAT32:
+            out.update({"param_dtype": self.param_dtype.value, "reduce_dtype": self.reduce_dtype.value})
         return out
 
 
@@ -245,6 +258,11 @@ def plan(
     if overrides.local_batch_size is not None:
         train["local_batch_size"] = overrides.local_batch_size
     train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
+    if overrides.param_dtype is not None:
+        train["param_dtype"] = overrides.param_dtype.value
+        if overrides.param_dtype is FloatDType.FLOAT32:  # --mixed-precision none: float32 everywhere
+            train["reduce_dtype"] = FloatDType.FLOAT32.value
+    job["activation_checkpoint"] = _ac_section(job.get("activation_checkpoint"), overrides)
     job["parallelism"], job["training"] = par, train
     job["model"] = _model_facts(dict(job.get("model") or {}), model)
 
@@ -290,11 +308,68 @@ def plan(
             f"context_parallel {dims.cp} with pipeline_parallel {dims.pp}: context parallelism inside a pipeline "
             f"is not built in this trainer yet; set pipeline_parallel: 1 (or context_parallel: 1)"
         )
-    return TrainLayout(
+    layout = TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
         overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims), moe=moe,
+        activation_checkpoint=config.activation_checkpoint, param_dtype=config.training.param_dtype,
+        reduce_dtype=config.training.reduce_dtype,
     )
+    _check_features(layout)
+    return layout
+
+
+def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
+    """The job's ``activation_checkpoint:`` section with the flags applied.  ``--ac-every`` is
+    the block interval of ``selective`` and means nothing under another mode: refused there."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError("the job's activation_checkpoint: section must be a mapping (mode, selective_ac_option)")
+    section = dict(raw or {})
+    if overrides.activation_checkpoint is not None:
+        section["mode"] = overrides.activation_checkpoint.value
+    if overrides.ac_every is not None:
+        section["selective_ac_option"] = str(overrides.ac_every)
+        mode = ActivationCheckpointMode.parse(section.get("mode", ActivationCheckpointMode.NONE.value))
+        if mode is not ActivationCheckpointMode.SELECTIVE:
+            raise ValueError(
+                f"--ac-every {overrides.ac_every} sets the block interval of selective activation checkpointing, "
+                f"but the mode is {mode.value!r}; add --activation-checkpoint selective (or drop --ac-every)"
+            )
+    return section
+
+
+def _check_features(layout: TrainLayout) -> None:
+    """Trainer features this layout cannot run: activation checkpointing under context parallelism
+    or of the mixture-of-experts model; mixed precision outside the dense TP/FSDP path, or without
+    data-parallel sharding (``fully_shard`` applies it)."""
+    ac = layout.activation_checkpoint.mode
+    mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
+    if ac is not ActivationCheckpointMode.NONE:
+        # under context parallelism the token mixers read the batch's document ends from state that
+        # is cleared after forward, so a recomputation in backward would not see them
+        paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
+                                       ("a mixture-of-experts model", layout.moe is not None)) if on]
+        if paths:
+            raise ValueError(
+                f"activation_checkpoint.mode {ac.value} with {' and '.join(paths)}: not built in this trainer yet; "
+                f"set activation_checkpoint.mode: none (--activation-checkpoint none)"
+            )
+    if not mixed:
+        return
+    what = f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}"
+    paths = [name for name, on in (("pipeline_parallel > 1", layout.pp > 1), ("context_parallel > 1", layout.cp > 1),
+                                   ("a mixture-of-experts model", layout.moe is not None)) if on]
+    if paths:
+        raise ValueError(
+            f"{what} with {' and '.join(paths)}: mixed precision is not built in this trainer's "
+            f"{'/'.join(paths)} path yet; use float32 (--mixed-precision none)"
+        )
+    if not layout.uses_fsdp:
+        raise ValueError(
+            f"{what}: mixed precision is "
+            f"applied by fully_shard, and this layout has no data-parallel sharding ({layout.describe()}); add "
+            f"data-parallel ranks (e.g. --dp-shard 2 with --nproc = 2 * tp), or use float32 (--mixed-precision none)"
+        )
 
 
 def _context(config: JobConfig, dims: ParallelDims) -> ContextParallelConfig:

@@ -54,6 +54,7 @@ from hp_models.job import (
     single_process,
 )
 from hp_models.launch import JobFailed, launch
+from hp_models.train_features_cli import add_feature_flags, feature_overrides  # [trainer-features]
 
 
 @dataclass
@@ -79,6 +80,10 @@ class Args:
     compare_single: bool
     overwrite: bool = False
     cp: int | None = None
+    # [trainer-features] --activation-checkpoint, --ac-every, --mixed-precision (None: the job's)
+    activation_checkpoint: str | None = None
+    ac_every: int | None = None
+    mixed_precision: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -126,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
+    add_feature_flags(p)  # [trainer-features]
     ns = p.parse_args(argv)
     for name in ("tp", "pp", "cp", "ep", "nproc", "steps", "seq_len", "batch_size", "local_batch_size",
                  "checkpoint_every", "keep"):
@@ -144,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> Args:
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
         overwrite=ns.overwrite, cp=ns.cp,
+        activation_checkpoint=ns.activation_checkpoint, ac_every=ns.ac_every,  # [trainer-features]
+        mixed_precision=ns.mixed_precision,
     )
 
 
@@ -173,7 +181,8 @@ def model_sizes(config: Any) -> ModelSizes:
 def overrides(args: Args) -> Overrides:
     return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, ep=args.ep,
                      global_batch_size=args.batch_size,
-                     local_batch_size=args.local_batch_size)
+                     local_batch_size=args.local_batch_size,
+                     **feature_overrides(args.activation_checkpoint, args.ac_every, args.mixed_precision))
 
 
 def check_args(args: Args) -> tuple[Any, TrainLayout]:
@@ -262,6 +271,8 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
     (over the meshes built from it), and this rank's data-parallel index."""
     import torch
 
+    from hp_models.activation_checkpoint import checkpoint_model_blocks
+    from hp_models.mixed_precision import fsdp_policy, logits_in_float32
     from hp_models.qwen3_5 import apply_fsdp_qwen3_5, parallelize_qwen3_5_tp
 
     if layout.moe is not None:
@@ -272,6 +283,7 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
     model = config.build()
     model.init_weights()
     if not distributed:
+        checkpoint_model_blocks(model, layout)  # [trainer-features] activation checkpointing
         return model, 0
     dims = layout.dims
     dense, _ = dims.build_mesh("cpu")  # (pp, dp_replicate, fsdp, tp)
@@ -288,10 +300,13 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
         return PipelinedModel(model, layout, dense), coord[1] * dims.dp_shard + coord[2]
     if dims.tp > 1:
         parallelize_qwen3_5_tp(model, dense["tp"])
+    checkpoint_model_blocks(model, layout)  # [trainer-features] after TP (and CP), before fully_shard
     if layout.uses_fsdp:
         dp_mesh = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
         apply_fsdp_qwen3_5(model, dp_mesh, reshard_after_forward=dims.reshard_after_forward,
-                           sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
+                           sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
+                           mp_policy=fsdp_policy(layout))  # [trainer-features] mixed precision
+        logits_in_float32(model, layout)  # [trainer-features]
     return model, coord[1] * dims.dp_shard + coord[2]
 
 

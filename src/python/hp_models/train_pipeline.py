@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor
+from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
 from hp_models.qwen3_5.pipeline import pipeline_qwen3_5
 from hp_pp import PipelineSchedule, Schedule1F1B, ScheduleInterleaved1F1B
@@ -39,6 +40,9 @@ class PipelinedModel(nn.Module):
         split = layout.split
         assert split is not None
         self.n_model_params = sum(p.numel() for p in model.parameters())
+        # [trainer-features] the whole model's layers, so a layer's index is its index in the model
+        # (the wrap commutes with the TP and FSDP the split stages get: those are module hooks)
+        checkpoint_model_blocks(model, layout)
         stages = pipeline_qwen3_5(
             model, split, mesh, reshard_after_forward=layout.dims.reshard_after_forward,
             sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,

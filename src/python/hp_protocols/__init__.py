@@ -16,6 +16,7 @@ from hp_protocols.parallelism import (
 )
 from hp_protocols.sharding import LocalMapConfig, NamedPlacement, ShardingConfig, resolve_placements
 from hp_protocols.state_dict_adapter import BaseStateDictAdapter
+from hp_protocols.train_features import ActivationCheckpointConfig, ActivationCheckpointMode, FloatDType
 from hp_protocols.types import MeshAxisName
 
 __version__ = "0.2.0"
@@ -24,6 +25,7 @@ __version__ = "0.2.0"
 register_moved({"hp_protocols.hf_export": Moved("hp_checkpoint.hf_export", "hp-checkpoint", "hp-protocols 0.3.0")})
 
 __all__ = [
+    "ActivationCheckpointConfig", "ActivationCheckpointMode", "FloatDType",
     "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig",
     "MeshAxisName", "ModelFacts", "ModelSpec", "Module", "ModuleDict", "ModuleList", "NamedPlacement",
     "ParallelDims", "ParallelismConfig", "Sequential", "ShardingConfig", "TrainingConfig", "get_model_spec",

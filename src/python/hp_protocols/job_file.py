@@ -4,7 +4,7 @@ A MindFormers job file holds many sections (``model``, ``train_dataset``, ``trai
 ``parallelism``, ``optimizer``, ``lr_scheduler``, ``context``, ``callbacks``, ``checkpoint``, the
 static-graph ``runner_config`` ...).  The rule, fail closed on typos:
 
-- ``parallelism`` is read whole: every key must be one of its fields (a misspelt key raises,
+- ``parallelism`` (and ``activation_checkpoint``) is read whole: every key must be one of its fields (a misspelt key raises,
   naming it and the nearest field).  ``sequence_parallel`` is refused: sequence parallelism
   follows ``tensor_parallel`` and has no switch.
 - ``training`` is read whole too: a key must be a field read here or one MindFormers defines for
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-READ_SECTIONS = ("parallelism", "training", "model", "train_dataset")
+READ_SECTIONS = ("parallelism", "training", "model", "train_dataset", "activation_checkpoint")
 # keys MindFormers defines in ``training`` that this trainer does not read (flags set them here)
 MINDFORMERS_TRAINING_KEYS = frozenset({"steps", "max_norm", "seed", "deterministic"})
 MODEL_FACTS = ("num_attention_heads", "num_hidden_layers", "use_attn_mask_compression")
@@ -53,6 +53,7 @@ class JobFileParts:
     model: dict[str, Any]  # the facts, flat
     data: dict[str, Any]  # train_dataset.dataloader.config's flags
     ignored: tuple[str, ...]  # dotted names of ignored sections and keys, sorted
+    activation_checkpoint: dict[str, Any] = field(default_factory=dict)
 
     def canonical(self) -> dict[str, Any]:
         """The read parts as a job mapping that ``split_job_file`` reads back unchanged."""
@@ -60,13 +61,15 @@ class JobFileParts:
                                "model": dict(self.model)}
         if self.data:
             out["train_dataset"] = {"dataloader": {"config": dict(self.data)}}
+        if self.activation_checkpoint:
+            out["activation_checkpoint"] = dict(self.activation_checkpoint)
         return out
 
 
 def split_job_file(raw: Mapping[str, Any], parallelism_keys: Iterable[str],
-                   training_keys: Iterable[str]) -> JobFileParts:
-    """Split ``raw`` (a whole job file's mapping) by the rule above; ``parallelism_keys`` and
-    ``training_keys`` are the fields those sections may hold.  ``ValueError`` names a misspelt or
+                   training_keys: Iterable[str], activation_checkpoint_keys: Iterable[str] = ()) -> JobFileParts:
+    """Split ``raw`` (a whole job file's mapping) by the rule above; ``parallelism_keys``,
+    ``training_keys`` and ``activation_checkpoint_keys`` are the fields those sections may hold.  ``ValueError`` names a misspelt or
     refused key and where it is."""
     if not isinstance(raw, Mapping):
         raise ValueError(f"a job config must be a mapping, got {type(raw).__name__}")
@@ -87,11 +90,14 @@ def split_job_file(raw: Mapping[str, Any], parallelism_keys: Iterable[str],
     read_training = set(training_keys)
     _strict(train, read_training, MINDFORMERS_TRAINING_KEYS, "training")
     ignored += [f"training.{k}" for k in train if k not in read_training]
+    ac = _section(raw, "activation_checkpoint")
+    _strict(ac, set(activation_checkpoint_keys), frozenset(), "activation_checkpoint")
     model, model_ignored = _model_facts(_section(raw, "model"))
     data, data_ignored = _data_facts(_section(raw, "train_dataset"))
     return JobFileParts(
         parallelism=dict(par), training={k: v for k, v in train.items() if k in read_training},
         model=model, data=data, ignored=tuple(sorted(ignored + model_ignored + data_ignored)),
+        activation_checkpoint=dict(ac),
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hp_protocols.job_file import JobFileParts, split_job_file
+from hp_protocols.train_features import ActivationCheckpointConfig, FloatDType
 
 _RESHARD = ("always", "never", "default")
 _CP_METHODS = ("colossal", "ulysses", "hybrid")
@@ -54,6 +55,14 @@ class ParallelismConfig:
 class TrainingConfig:
     global_batch_size: int | None = None
     local_batch_size: int = 1
+    # mixed precision (FSDP2's MixedPrecisionPolicy): compute dtype of the gathered parameters,
+    # and dtype of the gradient reduction; the optimizer's master parameters stay float32
+    param_dtype: FloatDType = FloatDType.FLOAT32
+    reduce_dtype: FloatDType = FloatDType.FLOAT32
+
+    def __post_init__(self) -> None:
+        self.param_dtype = FloatDType.parse(self.param_dtype, "param_dtype")
+        self.reduce_dtype = FloatDType.parse(self.reduce_dtype, "reduce_dtype")
 
 
 @dataclass(kw_only=True)
@@ -79,6 +88,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     model: ModelFacts = field(default_factory=ModelFacts)
     data: DataFacts = field(default_factory=DataFacts)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
 
     # dotted names of the job file's sections and keys this config does not read (printed once by
     # the caller; see ``hp_protocols.job_file`` for which are read and which raise)
@@ -86,7 +96,8 @@ class JobConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> JobConfig:
-        """A whole MindFormers job file's mapping: ``parallelism`` and ``training`` read whole,
+        """A whole MindFormers job file's mapping: ``parallelism``, ``training`` and
+        ``activation_checkpoint`` read whole,
         the model and data-set facts the rules need, every other section and key named in
         ``ignored``; a misspelt key raises ``ValueError`` naming it (``hp_protocols.job_file``)."""
         parts = job_file_parts(raw)
@@ -95,6 +106,8 @@ class JobConfig:
             training=_build(TrainingConfig, parts.training, "training"),
             model=_build(ModelFacts, parts.model, "model"),
             data=_build(DataFacts, parts.data, "train_dataset.dataloader.config"),
+            activation_checkpoint=_build(ActivationCheckpointConfig, parts.activation_checkpoint,
+                                         "activation_checkpoint"),
             ignored=parts.ignored,
         )
 
@@ -114,7 +127,8 @@ class JobConfig:
 
 def job_file_parts(raw: Mapping[str, Any]) -> JobFileParts:
     """What this config reads of a whole job file's mapping, canonical, and what it ignores."""
-    return split_job_file(raw, _field_names(ParallelismConfig), _field_names(TrainingConfig))
+    return split_job_file(raw, _field_names(ParallelismConfig), _field_names(TrainingConfig),
+                          _field_names(ActivationCheckpointConfig))
 
 
 def _field_names(cls: Any) -> list[str]:
