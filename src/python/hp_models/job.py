@@ -20,8 +20,8 @@ from typing import Any
 from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
-from hp_protocols import JobConfig
-from hp_protocols.parallelism import ParallelDims
+from hp_protocols import JobConfig, LRDecay
+from hp_protocols.parallelism import ParallelDims, TrainingConfig
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 DEFAULT_TP = 2  # without a job file: the README's main job
@@ -37,6 +37,31 @@ class Overrides:
     ep: int | None = None
     global_batch_size: int | None = None
     local_batch_size: int | None = None
+    lr_warmup_steps: int | None = None
+    lr_decay: str | None = None
+    lr_decay_steps: int | None = None
+    lr_min: float | None = None
+    max_grad_norm: float | None = None
+
+
+# (the ``training:`` fields of the schedule and clipping, which the flags of the same name override)
+_OPTIM_FIELDS = ("lr_warmup_steps", "lr_decay", "lr_decay_steps", "lr_min", "max_grad_norm")
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The job's learning-rate schedule and gradient clipping (validated; see ``TrainingConfig``)."""
+
+    warmup_steps: int = 0
+    decay: LRDecay = LRDecay.NONE
+    decay_steps: int | None = None  # None: from the end of the warmup to the end of the run
+    lr_min: float = 0.0
+    max_grad_norm: float | None = None  # None: the gradients are not clipped
+
+    @classmethod
+    def of(cls, t: TrainingConfig) -> OptimSettings:
+        return cls(warmup_steps=t.lr_warmup_steps, decay=LRDecay.parse(t.lr_decay), decay_steps=t.lr_decay_steps,
+                   lr_min=float(t.lr_min), max_grad_norm=None if t.max_grad_norm is None else float(t.max_grad_norm))
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,7 @@ class TrainLayout:
     # data are packed documents, also without context parallelism)
     context: ContextParallelConfig = ContextParallelConfig(compression=MaskCompression.NONE)
     moe: MoeSettings | None = None  # a mixture-of-experts model's expert-parallel settings
+    optim: OptimSettings = OptimSettings()  # learning-rate schedule and gradient clipping
 
     @property
     def pp(self) -> int:
@@ -205,6 +231,9 @@ def plan(
         train["global_batch_size"] = overrides.global_batch_size
     if overrides.local_batch_size is not None:
         train["local_batch_size"] = overrides.local_batch_size
+    for name in _OPTIM_FIELDS:
+        if getattr(overrides, name) is not None:
+            train[name] = getattr(overrides, name)
     train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
     job["parallelism"], job["training"] = par, train
     job["model"] = _model_facts(dict(job.get("model") or {}), model)
@@ -255,6 +284,7 @@ def plan(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
         overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims), moe=moe,
+        optim=OptimSettings.of(config.training),
     )
 
 
@@ -297,5 +327,6 @@ def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
     per_forward = layout.local_batch_size if model.num_experts is not None else g
     one = plan(None, Overrides(tp=1, dp_shard=1, pp=1, cp=1, ep=1, global_batch_size=g,
                                local_batch_size=per_forward), model, world_size=1)
-    # the same data: packed documents stay packed (and attend within each document)
-    return replace(one, context=ContextParallelConfig(compression=layout.context.compression))
+    # the same data (packed documents stay packed, and attend within each document), the same
+    # learning-rate schedule and clipping
+    return replace(one, context=ContextParallelConfig(compression=layout.context.compression), optim=layout.optim)

@@ -14,7 +14,10 @@ over the CP ranks (colossal, ulysses or hybrid; ``hp_models.train_context``) and
 ``expert_parallel`` (``--ep``) ranks (``hp_models.train_moe``).  World = pp * dp_replicate *
 dp_shard * cp * tp ranks; each data-parallel rank trains on its slice of every global batch, in global_batch_size /
 (local_batch_size * data_parallel) accumulation micro-steps.  Prints a progress bar, a summary,
-writes ``loss.png`` and ``log.json`` to ``--out-dir``.
+writes ``loss.png``, ``log.json`` and TensorBoard event files (loss, learning rate, gradient norm,
+tokens/s, peak memory per rank) to ``--out-dir``.  The learning rate follows the job's schedule
+(``lr_warmup_steps``, ``lr_decay`` cosine or linear to ``lr_min``; constant by default) and
+``max_grad_norm`` clips the gradients by their global norm over every mesh dim.
 
 Checkpoints go to ``--checkpoint-dir`` as ``step-<N>/`` directories: sharded (each rank writes its
 own shards through ``torch.distributed.checkpoint``), atomic (staging directory, fsync, a manifest
@@ -28,8 +31,8 @@ ranks stop when the launcher dies, and the launcher stops when a rank dies, nami
 died first and how.  Errors a user can fix (a damaged checkpoint, a full or read-only disk, a file
 where a directory should be) end the command with one line saying what to do.
 
-This module is the command; its components (flags, checks, parallelize, data, step, optimizer,
-checkpointing, metrics, loop, spawn, outputs) are the
+This module is the command; its components (flags, checks, parallelize, data, step, optimizer
+and learning-rate schedule, gradient norm, checkpointing, metrics, loop, spawn, outputs) are the
 modules of ``hp_models.trainer``, and the names tests and callers use are re-exported here.
 """
 

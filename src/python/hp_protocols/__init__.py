@@ -9,6 +9,7 @@ from hp_protocols.module import Module, ModuleDict, ModuleList, Sequential
 from hp_protocols.parallelism import (
     DataFacts,
     JobConfig,
+    LRDecay,
     ModelFacts,
     ParallelDims,
     ParallelismConfig,
@@ -24,7 +25,7 @@ __version__ = "0.2.0"
 register_moved({"hp_protocols.hf_export": Moved("hp_checkpoint.hf_export", "hp-checkpoint", "hp-protocols 0.3.0")})
 
 __all__ = [
-    "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig",
+    "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig", "LRDecay",
     "MeshAxisName", "ModelFacts", "ModelSpec", "Module", "ModuleDict", "ModuleList", "NamedPlacement",
     "ParallelDims", "ParallelismConfig", "Sequential", "ShardingConfig", "TrainingConfig", "get_model_spec",
     "register_model_spec", "resolve_placements",

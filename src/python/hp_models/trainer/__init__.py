@@ -7,10 +7,11 @@
   ``hp_models.train_context`` and ``hp_models.train_pipeline``);
 - ``data``: the global batch of each step;
 - ``step``: one optimizer step's forwards and backwards (the loss over the global batch);
-- ``optimizer``: AdamW;
+- ``optimizer`` and ``lr_schedule``: AdamW and the learning rate of each step;
+- ``grad_norm``: the gradients' global norm over every mesh dim, and clipping by it;
 - ``checkpointing``: the run's settings and the checkpoint directory's checks (the state itself:
   ``hp_models.train_checkpoint``);
-- ``metrics``: the progress bar;
+- ``metrics`` and ``tensorboard``: the progress bar, the per-step metrics and their event files;
 - ``loop``: the training loop on one rank; ``spawn``: the ranks (``hp_models.launch``);
 - ``outputs``: ``log.json``, ``loss.png`` and the summary.
 """

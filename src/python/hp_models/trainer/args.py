@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from hp_models.job import DEFAULT_GLOBAL_BATCH_SIZE
+from hp_protocols import LRDecay
 
 
 @dataclass
@@ -32,6 +33,12 @@ class Args:
     compare_single: bool
     overwrite: bool = False
     cp: int | None = None
+    # the learning-rate schedule and clipping; None: the job's ``training:`` field, or its default
+    lr_warmup_steps: int | None = None
+    lr_decay: str | None = None
+    lr_decay_steps: int | None = None
+    lr_min: float | None = None
+    max_grad_norm: float | None = None
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Args:
@@ -62,10 +69,24 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--local-batch-size", type=int, default=None,
                    help="samples per rank per forward (local_batch_size); default: the job's, or the global "
                         "batch over the data-parallel ranks (no accumulation)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (constant without a schedule)")
+    p.add_argument("--lr-warmup-steps", type=int, default=None,
+                   help="lr_warmup_steps: the learning rate rises linearly to --lr over these steps; default: the "
+                        "job's, or 0")
+    p.add_argument("--lr-decay", choices=[k.value for k in LRDecay], default=None,
+                   help="lr_decay: after the warmup the learning rate falls to --lr-min along a half cosine or a "
+                        "line, or stays (none); default: the job's, or none")
+    p.add_argument("--lr-decay-steps", type=int, default=None,
+                   help="lr_decay_steps: steps the decay takes; default: the job's, or the rest of the run "
+                        "(--steps minus the warmup)")
+    p.add_argument("--lr-min", type=float, default=None, help="lr_min: where the decay ends; default: the job's, or 0")
+    p.add_argument("--max-grad-norm", type=float, default=None,
+                   help="max_grad_norm: clip the gradients to this global norm (over every parameter, across every "
+                        "mesh dim); default: the job's, or no clipping")
     p.add_argument("--config", default="tiny",
                    help="'tiny', 'tiny-moe' (8 experts, top-2) or the path of a HF config.json (dense or MoE)")
-    p.add_argument("--out-dir", default="runs/qwen3_5-tp", help="where loss.png and log.json go")
+    p.add_argument("--out-dir", default="runs/qwen3_5-tp",
+                   help="where loss.png, log.json and the TensorBoard event files (tensorboard/) go")
     p.add_argument("--checkpoint-dir", default=None, help="default: <out-dir>/checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (and at the end)")
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (the newest ones)")
@@ -79,14 +100,20 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                    help="also train on one process (same global batch) and report the largest loss gap")
     ns = p.parse_args(argv)
     for name in ("tp", "pp", "cp", "ep", "nproc", "steps", "seq_len", "batch_size", "local_batch_size",
-                 "checkpoint_every", "keep"):
+                 "checkpoint_every", "keep", "lr_decay_steps"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if ns.dp_shard is not None and ns.dp_shard != -1 and ns.dp_shard < 1:
         p.error(f"--dp-shard must be -1 or >= 1, got {ns.dp_shard}")
-    if ns.lr <= 0:
+    if not ns.lr > 0:
         p.error(f"--lr must be > 0, got {ns.lr}")
+    if ns.lr_warmup_steps is not None and ns.lr_warmup_steps < 0:
+        p.error(f"--lr-warmup-steps must be >= 0, got {ns.lr_warmup_steps}")
+    if ns.lr_min is not None and not ns.lr_min >= 0:
+        p.error(f"--lr-min must be >= 0, got {ns.lr_min}")
+    if ns.max_grad_norm is not None and not ns.max_grad_norm > 0:
+        p.error(f"--max-grad-norm must be > 0, got {ns.max_grad_norm}")
     if ns.resume and ns.overwrite:
         p.error("--resume continues the run in --checkpoint-dir, --overwrite deletes it: pass one of them")
     return Args(
@@ -94,5 +121,6 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         batch_size=ns.batch_size, local_batch_size=ns.local_batch_size, lr=ns.lr, config=ns.config,
         out_dir=ns.out_dir, checkpoint_dir=ns.checkpoint_dir or os.path.join(ns.out_dir, "checkpoint"),
         checkpoint_every=ns.checkpoint_every, keep=ns.keep, resume=ns.resume, seed=ns.seed, compare_single=ns.compare_single,
-        overwrite=ns.overwrite, cp=ns.cp,
+        overwrite=ns.overwrite, cp=ns.cp, lr_warmup_steps=ns.lr_warmup_steps, lr_decay=ns.lr_decay,
+        lr_decay_steps=ns.lr_decay_steps, lr_min=ns.lr_min, max_grad_norm=ns.max_grad_norm,
     )

@@ -11,14 +11,17 @@ from typing import Any
 
 from hp_models.job import TrainLayout
 from hp_models.trainer.args import Args
+from hp_models.trainer.lr_schedule import LRSchedule
 
 
 def run_settings(args: Args, config: Any, layout: TrainLayout) -> dict[str, Any]:
     """What a resumed run must share with the run that saved its checkpoint."""
     from hp_models.train_checkpoint import run_settings as settings
 
+    schedule = LRSchedule.of(args.lr, layout.optim, args.steps)
     return settings(seed=args.seed, lr=args.lr, seq_len=args.seq_len, global_batch_size=layout.global_batch_size,
-                    model=dataclasses.asdict(config))
+                    model=dataclasses.asdict(config), lr_schedule=None if schedule.constant else schedule.as_dict(),
+                    max_grad_norm=layout.optim.max_grad_norm)
 
 
 def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:

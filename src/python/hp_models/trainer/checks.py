@@ -10,6 +10,7 @@ from typing import Any
 from hp_models.job import ModelSizes, Overrides, TrainLayout, plan, read_job_file
 from hp_models.trainer.args import Args
 from hp_models.trainer.checkpointing import check_checkpoint_dir
+from hp_models.trainer.lr_schedule import LRSchedule
 
 
 def load_config(args: Args, raw: dict[str, Any] | None = None) -> Any:
@@ -37,7 +38,9 @@ def model_sizes(config: Any) -> ModelSizes:
 
 def overrides(args: Args) -> Overrides:
     return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, ep=args.ep,
-                     global_batch_size=args.batch_size, local_batch_size=args.local_batch_size)
+                     global_batch_size=args.batch_size, local_batch_size=args.local_batch_size,
+                     lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay, lr_decay_steps=args.lr_decay_steps,
+                     lr_min=args.lr_min, max_grad_norm=args.max_grad_norm)
 
 
 def check_args(args: Args) -> tuple[Any, TrainLayout]:
@@ -58,6 +61,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
         check_model(config, layout)
+        LRSchedule.of(args.lr, layout.optim, args.steps)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")
     if layout.cp == 1 and args.seq_len % layout.tp:

@@ -1,5 +1,5 @@
-"""What a finished run leaves: ``log.json`` and ``loss.png`` in ``--out-dir``, and the summary
-printed at the end."""
+"""What a finished run leaves: ``log.json`` and ``loss.png`` in ``--out-dir`` (the event files are
+``metrics``'), and the summary printed at the end."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from typing import Any
 
 from hp_models.job import TrainLayout
 from hp_models.trainer.args import Args
+
+# the per-step metrics and settings ``log.json`` carries from the run's result
+_METRICS = ("learning_rates", "grad_norms", "step_tokens_per_s", "peak_memory_mib_per_rank", "lr_schedule",
+            "max_grad_norm", "tensorboard_dir")
 
 
 def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str, Any],
@@ -29,6 +33,7 @@ def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str
         log["single_losses"] = single
         log["max_loss_diff_vs_single"] = max(abs(a - b) for a, b in zip(losses, single))
         log["max_loss_rel_diff_vs_single"] = max(abs(a - b) / abs(b) for a, b in zip(losses, single))
+    log.update({k: result[k] for k in _METRICS if k in result})
     with open(os.path.join(args.out_dir, "log.json"), "w") as f:
         json.dump(log, f, indent=2)
     _plot(args, layout, losses, single, config.vocab_size)
@@ -71,5 +76,6 @@ def print_summary(args: Args, layout: TrainLayout, result: dict[str, Any], log: 
     if single is not None:
         print(f"  largest |loss({layout.describe()}) - loss(1 process)| over the run: "
               f"{log['max_loss_diff_vs_single']:.2e}")
+    tb = result.get("tensorboard_dir")
     print(f"  wrote {os.path.join(args.out_dir, 'loss.png')}, {os.path.join(args.out_dir, 'log.json')}, "
-          f"checkpoint in {args.checkpoint_dir}")
+          f"{f'TensorBoard events in {tb}, ' if tb else ''}checkpoint in {args.checkpoint_dir}")
