@@ -121,3 +121,26 @@ def test_bad_schedule_flags_are_argparse_errors(argv, words, capsys) -> None:
         train.main(argv)
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
+
+
+def test_job_fields_and_flags_that_override_them(tmp_path) -> None:
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"parallelism": {"tensor_parallel": 1}, "training": {
+        "lr_warmup_steps": 3, "lr_decay": "linear", "lr_min": 1e-4, "max_grad_norm": 2.0}}))
+    args = train.parse_args(["--job", str(job), "--steps", "10", "--out-dir", str(tmp_path / "a")])
+    _, layout = train.check_args(args)
+    assert layout.optim == OptimSettings(warmup_steps=3, decay=LRDecay.LINEAR, lr_min=1e-4, max_grad_norm=2.0)
+    args = train.parse_args(["--job", str(job), "--steps", "10", "--lr-decay", "cosine", "--max-grad-norm", "0.5",
+                             "--lr-decay-steps", "4", "--out-dir", str(tmp_path / "b")])
+    _, layout = train.check_args(args)
+    assert layout.optim == OptimSettings(warmup_steps=3, decay=LRDecay.COSINE, decay_steps=4, lr_min=1e-4,
+                                         max_grad_norm=0.5)
+    assert train.run_settings(args, train.load_config(args), layout)["lr_schedule"] == {
+        "warmup_steps": 3, "decay": "cosine", "decay_steps": 4, "lr_min": 1e-4}
+    # without them: the layout and run settings of before (a checkpoint saved earlier still resumes)
+    args = train.parse_args(["--tp", "1", "--out-dir", str(tmp_path / "c")])
+    config, layout = train.check_args(args)
+    assert layout.optim == OptimSettings()
+    assert not {"lr_schedule", "max_grad_norm"} & set(train.run_settings(args, config, layout))
