@@ -31,8 +31,8 @@ def plain_torch_run(steps: int, batch: int, seq_len: int, lr_at: Callable[[int],
     """Plain torch on one process, written independently of the trainer: the tiny model as the
     trainer seeds it, AdamW with the learning rate ``lr_at(step)`` of each step, the mean loss over
     each whole synthetic batch, and ``torch.nn.utils.clip_grad_norm_`` to ``max_norm`` (None: the
-    norm measured, nothing clipped).  Returns the losses, the norms before clipping and the final
-    parameters by name."""
+    norm measured, nothing clipped).  Returns the losses, the norms before clipping, the first
+    step's gradients after clipping and the final parameters, by name."""
     import torch
     import torch.nn.functional as F
 
@@ -44,17 +44,19 @@ def plain_torch_run(steps: int, batch: int, seq_len: int, lr_at: Callable[[int],
     model = cfg.build()
     model.init_weights()
     opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.0)
-    losses, norms = [], []
+    losses, norms, first_grads = [], [], {}
     for step in range(steps):
         ids, tgt = synthetic.batch(seed, step, batch, seq_len, cfg.vocab_size)
         opt.zero_grad()
         loss = F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm is not None else float("inf"))
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         opt.step()
         losses.append(loss.item())
         norms.append(float(norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "first_grads": first_grads, "params": params}
