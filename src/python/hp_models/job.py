@@ -23,9 +23,9 @@ from typing import Any
 from hp_cp.config import ContextParallelConfig, CPMethod, MaskCompression
 from hp_models.job_moe import MoeSettings, check_moe_job
 from hp_pp import StageSplit, split_layers
-from hp_protocols import ActivationCheckpointConfig, ActivationCheckpointMode, FloatDType, JobConfig
+from hp_protocols import ActivationCheckpointConfig, ActivationCheckpointMode, FloatDType, JobConfig, LRDecay
 from hp_protocols.job_file import describe_ignored
-from hp_protocols.parallelism import ParallelDims, job_file_parts
+from hp_protocols.parallelism import ParallelDims, TrainingConfig, job_file_parts
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 DEFAULT_TP = 2  # without a job file: the README's main job
@@ -44,6 +44,31 @@ class Overrides:
     activation_checkpoint: ActivationCheckpointMode | None = None  # --activation-checkpoint
     ac_every: int | None = None  # --ac-every: selective_ac_option
     param_dtype: FloatDType | None = None  # --mixed-precision (bf16: bfloat16, none: float32)
+    lr_warmup_steps: int | None = None
+    lr_decay: str | None = None
+    lr_decay_steps: int | None = None
+    lr_min: float | None = None
+    max_grad_norm: float | None = None
+
+
+# (the ``training:`` fields of the schedule and clipping, which the flags of the same name override)
+_OPTIM_FIELDS = ("lr_warmup_steps", "lr_decay", "lr_decay_steps", "lr_min", "max_grad_norm")
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """The job's learning-rate schedule and gradient clipping (validated; see ``TrainingConfig``)."""
+
+    warmup_steps: int = 0
+    decay: LRDecay = LRDecay.NONE
+    decay_steps: int | None = None  # None: from the end of the warmup to the end of the run
+    lr_min: float = 0.0
+    max_grad_norm: float | None = None  # None: the gradients are not clipped
+
+    @classmethod
+    def of(cls, t: TrainingConfig) -> OptimSettings:
+        return cls(warmup_steps=t.lr_warmup_steps, decay=LRDecay.parse(t.lr_decay), decay_steps=t.lr_decay_steps,
+                   lr_min=float(t.lr_min), max_grad_norm=None if t.max_grad_norm is None else float(t.max_grad_norm))
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,7 @@ class TrainLayout:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     param_dtype: FloatDType = FloatDType.FLOAT32
     reduce_dtype: FloatDType = FloatDType.FLOAT32
+    optim: OptimSettings = OptimSettings()  # learning-rate schedule and gradient clipping
 
     @property
     def pp(self) -> int:
@@ -257,6 +283,9 @@ def plan(
         train["global_batch_size"] = overrides.global_batch_size
     if overrides.local_batch_size is not None:
         train["local_batch_size"] = overrides.local_batch_size
+    for name in _OPTIM_FIELDS:
+        if getattr(overrides, name) is not None:
+            train[name] = getattr(overrides, name)
     train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
     if overrides.param_dtype is not None:
         train["param_dtype"] = overrides.param_dtype.value
@@ -314,6 +343,7 @@ def plan(
         overlap_p2p=p.pipeline_parallel_overlap_p2p, context=_context(config, dims), moe=moe,
         activation_checkpoint=config.activation_checkpoint, param_dtype=config.training.param_dtype,
         reduce_dtype=config.training.reduce_dtype,
+        optim=OptimSettings.of(config.training),
     )
     _check_features(layout)
     return layout
@@ -411,5 +441,6 @@ def single_process(layout: TrainLayout, model: ModelSizes) -> TrainLayout:
     per_forward = layout.local_batch_size if model.num_experts is not None else g
     one = plan(None, Overrides(tp=1, dp_shard=1, pp=1, cp=1, ep=1, global_batch_size=g,
                                local_batch_size=per_forward), model, world_size=1)
-    # the same data: packed documents stay packed (and attend within each document)
-    return replace(one, context=ContextParallelConfig(compression=layout.context.compression))
+    # the same data (packed documents stay packed, and attend within each document), the same
+    # learning-rate schedule and clipping
+    return replace(one, context=ContextParallelConfig(compression=layout.context.compression), optim=layout.optim)

@@ -10,7 +10,9 @@ Saved through ``hp_checkpoint.atomic`` (sharded, atomic, verified):
   rank and every layout; a save checks that the ranks agree;
 - in the manifest's ``extra``: the step, the data position (the index of the next synthetic
   batch), the seed, the losses so far, the layout that saved it and the run's settings (seed,
-  learning rate, sequence length, global batch, optimizer, model config).
+  learning rate and its schedule, gradient clipping, sequence length, global batch, optimizer,
+  model config).  The learning rate of a step is a function of the step alone, so the schedule
+  needs no state of its own.
 
 ``--resume`` continues only the run that saved the checkpoint: ``resume_plan`` compares the saved
 run's settings with this run's and refuses naming each one that differs; a different layout
@@ -39,14 +41,22 @@ from hp_dtensor.platform.torch.collectives import all_gather_object
 
 # Settings that make a run: a checkpoint continues only a run with the same ones.  (The layout,
 # the number of steps and the checkpoint cadence may change between a save and a resume.)
-RUN_KEYS = ("seed", "lr", "seq_len", "global_batch_size", "optimizer", "weight_decay", "model")
+RUN_KEYS = ("seed", "lr", "seq_len", "global_batch_size", "optimizer", "weight_decay", "model", "lr_schedule",
+            "max_grad_norm")
 
 
 def run_settings(*, seed: int, lr: float, seq_len: int, global_batch_size: int, model: dict[str, Any],
-                 optimizer: str = "AdamW", weight_decay: float = 0.0) -> dict[str, Any]:
-    """The settings a resumed run must share with the run that saved (as JSON keeps them)."""
-    run = {"seed": seed, "lr": lr, "seq_len": seq_len, "global_batch_size": global_batch_size,
-           "optimizer": optimizer, "weight_decay": weight_decay, "model": model}
+                 optimizer: str = "AdamW", weight_decay: float = 0.0, lr_schedule: dict[str, Any] | None = None,
+                 max_grad_norm: float | None = None) -> dict[str, Any]:
+    """The settings a resumed run must share with the run that saved (as JSON keeps them).
+    ``lr_schedule`` (a schedule other than a constant rate) and ``max_grad_norm`` are recorded
+    only when given, so runs without them keep the settings they had."""
+    run: dict[str, Any] = {"seed": seed, "lr": lr, "seq_len": seq_len, "global_batch_size": global_batch_size,
+                           "optimizer": optimizer, "weight_decay": weight_decay, "model": model}
+    if lr_schedule is not None:
+        run["lr_schedule"] = lr_schedule
+    if max_grad_norm is not None:
+        run["max_grad_norm"] = max_grad_norm
     return json.loads(json.dumps(run))  # type: ignore[no-any-return]
 
 

@@ -9,6 +9,7 @@ from hp_protocols.module import Module, ModuleDict, ModuleList, Sequential
 from hp_protocols.parallelism import (
     DataFacts,
     JobConfig,
+    LRDecay,
     ModelFacts,
     ParallelDims,
     ParallelismConfig,
@@ -26,7 +27,7 @@ register_moved({"hp_protocols.hf_export": Moved("hp_checkpoint.hf_export", "hp-c
 
 __all__ = [
     "ActivationCheckpointConfig", "ActivationCheckpointMode", "FloatDType",
-    "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig",
+    "BaseModel", "BaseStateDictAdapter", "Configurable", "DataFacts", "JobConfig", "LocalMapConfig", "LRDecay",
     "MeshAxisName", "ModelFacts", "ModelSpec", "Module", "ModuleDict", "ModuleList", "NamedPlacement",
     "ParallelDims", "ParallelismConfig", "Sequential", "ShardingConfig", "TrainingConfig", "get_model_spec",
     "register_model_spec", "resolve_placements",

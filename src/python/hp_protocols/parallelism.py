@@ -1,19 +1,22 @@
 """The parallelism configuration users write in a job file, its derived sizes and its rules.
 
 A job file has a ``parallelism:`` section (``ParallelismConfig``), a ``training:`` section (batch
-sizes) and optionally the ``model:`` facts and ``train_dataset.dataloader.config`` flags the rules
-need (head and layer counts, attention-mask compression); a whole MindFormers file is accepted,
-its other sections named as ignored (``hp_protocols.job_file``).  ``ParallelismConfig.resolve(world_size,
+sizes, learning-rate schedule, gradient clipping, mixed precision) and optionally the ``model:``
+facts and ``train_dataset.dataloader.config`` flags the rules need (head and layer counts,
+attention-mask compression); a whole MindFormers file is accepted, its other sections named as
+ignored (``hp_protocols.job_file``).  ``ParallelismConfig.resolve(world_size,
 ...)`` checks every rule and returns the derived sizes (``ParallelDims``).  Pure: no framework.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from hp_protocols.job_file import JobFileParts, split_job_file
@@ -51,10 +54,39 @@ class ParallelismConfig:
     npu_nums_per_device: int = 8
 
 
+class LRDecay(Enum):
+    """How the learning rate falls after the warmup: not at all, along a half cosine, or linearly
+    (to ``lr_min`` at the end of the decay steps)."""
+
+    NONE = "none"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+    @classmethod
+    def parse(cls, value: LRDecay | str) -> LRDecay:
+        if isinstance(value, LRDecay):
+            return value
+        for kind in cls:
+            if kind.value == value:
+                return kind
+        raise ValueError(f"lr_decay must be one of {[k.value for k in cls]}, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
+    """A job file's ``training:`` section: batch sizes, the learning-rate schedule (linear warmup
+    over ``lr_warmup_steps``, then ``lr_decay`` to ``lr_min`` over ``lr_decay_steps``; the default
+    keeps the learning rate constant), gradient clipping (``max_grad_norm``: the global norm
+    over every parameter; None: no clipping) and mixed precision (``param_dtype``,
+    ``reduce_dtype``)."""
+
     global_batch_size: int | None = None
     local_batch_size: int = 1
+    lr_warmup_steps: int = 0
+    lr_decay: str = "none"
+    lr_decay_steps: int | None = None  # None: the steps after the warmup, to the end of the run
+    lr_min: float = 0.0
+    max_grad_norm: float | None = None
     # mixed precision (FSDP2's MixedPrecisionPolicy): compute dtype of the gathered parameters,
     # and dtype of the gradient reduction; the optimizer's master parameters stay float32
     param_dtype: FloatDType = FloatDType.FLOAT32
@@ -263,6 +295,7 @@ def resolve(job: JobConfig, world_size: int) -> ParallelDims:
                 f"{data_parallel * t.local_batch_size} exceeds global_batch_size {t.global_batch_size}"
             )
         accumulation = t.global_batch_size // (data_parallel * t.local_batch_size)
+    check_training(t)
 
     # FSDP
     if p.reshard_after_forward_policy not in _RESHARD:
@@ -297,6 +330,26 @@ def resolve(job: JobConfig, world_size: int) -> ParallelDims:
         data_parallel=data_parallel, ulysses_degree=ulysses, num_accumulation_steps=accumulation,
         reshard_after_forward=reshard, virtual_stages=virtual, stage_layers=stage_layers,
     )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_training(t: TrainingConfig) -> None:
+    """The learning-rate schedule and clipping fields of ``training:``: ``ValueError`` naming the
+    field and its value."""
+    w = t.lr_warmup_steps
+    if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+        raise ValueError(f"lr_warmup_steps must be an int >= 0 (0: no warmup), got {w!r}")
+    LRDecay.parse(t.lr_decay)
+    if t.lr_decay_steps is not None:
+        _positive("lr_decay_steps", t.lr_decay_steps)
+    if not _number(t.lr_min) or t.lr_min < 0:
+        raise ValueError(f"lr_min must be a number >= 0, got {t.lr_min!r}")
+    g = t.max_grad_norm
+    if g is not None and (not _number(g) or g <= 0):
+        raise ValueError(f"max_grad_norm must be a number > 0 (or absent: no clipping), got {g!r}")
 
 
 def _check_cp(p: ParallelismConfig, m: ModelFacts, d: DataFacts, cp: int) -> int:

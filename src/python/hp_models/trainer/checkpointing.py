@@ -1,0 +1,65 @@
+"""The trainer's side of checkpoints: the settings that make a run (a resume must share them)
+and the checks of the checkpoint directory before any rank starts.  The saved state itself is
+``hp_models.train_checkpoint``'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from hp_models.job import TrainLayout
+from hp_models.trainer.args import Args
+from hp_models.trainer.lr_schedule import LRSchedule
+
+
+def run_settings(args: Args, config: Any, layout: TrainLayout) -> dict[str, Any]:
+    """What a resumed run must share with the run that saved its checkpoint."""
+    from hp_models.train_checkpoint import run_settings as settings
+
+    schedule = LRSchedule.of(args.lr, layout.optim, args.steps)
+    return settings(seed=args.seed, lr=args.lr, seq_len=args.seq_len, global_batch_size=layout.global_batch_size,
+                    model=dataclasses.asdict(config), lr_schedule=None if schedule.constant else schedule.as_dict(),
+                    max_grad_norm=layout.optim.max_grad_norm)
+
+
+def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
+    """Before any rank starts: the checkpoint directory is one (not a file); a fresh run does not
+    write into another run's checkpoints (it would prune its own saves as older than theirs, and a
+    later ``--resume`` would continue theirs), unless ``--overwrite``; ``--resume`` continues a
+    checkpoint of this same run with steps left to train."""
+    from hp_checkpoint.manifest import checkpoint_entries, complete_checkpoints
+    from hp_dtensor.layout.shard_boxes import CheckpointError
+    from hp_models.train_checkpoint import resume_plan
+
+    root = args.checkpoint_dir
+    if os.path.exists(root) and not os.path.isdir(root):
+        sys.exit(f"error: --checkpoint-dir {root} is a file, not a directory; pass a directory (it is created "
+                 f"if missing) or move the file away")
+    if args.resume:
+        try:
+            found = resume_plan(root, run_settings(args, config, layout), layout.as_dict())
+        except CheckpointError as e:
+            sys.exit(f"error: {e}")
+        if found.step >= args.steps:
+            sys.exit(f"error: --resume from {found.path} (step {found.step}) but --steps {args.steps}: nothing "
+                     f"left to train; pass a larger --steps (the total, counting the steps already done)")
+        return
+    steps = [os.path.basename(p) for p in checkpoint_entries(root) if os.path.basename(p).startswith("step-")]
+    if steps and not args.overwrite:
+        complete = [s for s, _ in complete_checkpoints(root)]
+        sys.exit(f"error: --checkpoint-dir {root} already holds checkpoints of an earlier run ({len(steps)} step "
+                 f"directories, {steps[0]} to {steps[-1]}; complete: steps {complete or 'none'}); a fresh run "
+                 f"would mix its checkpoints with them. Pass --resume to continue that run, or --overwrite to "
+                 f"delete them and start afresh (or choose another --checkpoint-dir)")
+
+
+def clear_for_overwrite(args: Args) -> None:
+    """``--overwrite``: delete the earlier run's checkpoints (once, before any rank saves)."""
+    from hp_checkpoint.manifest import clear_checkpoints
+
+    removed = clear_checkpoints(args.checkpoint_dir)
+    if removed:
+        print(f"--overwrite: deleted {len(removed)} checkpoint entries of an earlier run from "
+              f"{args.checkpoint_dir}", file=sys.stderr, flush=True)
