@@ -31,7 +31,8 @@ from hp_dtensor.placement_types import (
     Replicate,
 )
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
+from hp_dtensor.platform.mindspore.redistribute import KeepGradOnRoot, Redistribute
+from hp_dtensor.sharding.local_grads import GradLayout
 
 
 def _dispatch_not_installed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -207,13 +208,8 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         """``local`` (this value, as some consumer will use it) adapted to a consumer whose
         backward hands back a whole gradient (see ``GradLayout``)."""
         layout = self._grad_layout
-        if layout is None:
-            return local
-        if layout.partial is None:
-            layout.partial = ()
-        elif layout.partial:
-            return KeepGradOnRoot.apply(local, self._spec.mesh, layout.partial)
-        return local
+        on_root = () if layout is None else layout.whole_use()
+        return KeepGradOnRoot.apply(local, self._spec.mesh, on_root) if on_root else local
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
         check_partial_dtype(placements, str(self.dtype))
