@@ -26,7 +26,7 @@ from hp_dtensor.sharding.dispatch import (
     DispatchCore,
     call_key,
     fill_placeholders,
-    flatten_one_level,
+    flatten_prim_args,
     make_cached_call,
     shared_mesh,
     unflatten_one_level,
@@ -72,38 +72,7 @@ def random_op(*names: str) -> Callable[[Any], Any]:
 
 
 def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
-    """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
-    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them.  A list or
-    tuple inside an opened one (a primitive's axis list: ``(prim, "ReduceSum", [x, [0, 1], ...])``)
-    stays whole as one leaf; a DTensor that deep is refused."""
-    flat: list[Any] = []
-    shape = flatten_one_level(args, flat)
-    if shape is not None:
-        return flat, shape
-    flat = []
-    parts: list[Any] = []
-    for a in args:
-        if type(a) in (list, tuple):
-            flat.extend(a)
-            parts.append((type(a), len(a)))
-        else:
-            flat.append(a)
-            parts.append(None)
-    if any(isinstance(x, (list, tuple, dict)) and _holds_dtensor(x) for x in flat):
-        raise NotImplementedError(
-            "a DTensor argument nested more than one list deep is not supported; pass it directly"
-        )
-    return flat, tuple(parts)
-
-
-def _holds_dtensor(x: Any) -> bool:
-    if isinstance(x, DTensor):
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_holds_dtensor(y) for y in x)
-    if isinstance(x, dict):
-        return any(_holds_dtensor(y) for y in x.values())
-    return False
+    return flatten_prim_args(args, DTensor)
 
 
 def _unflatten(flat: list[Any], shape: tuple[Any, ...]) -> tuple[Any, ...]:
