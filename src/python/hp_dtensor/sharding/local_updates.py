@@ -9,7 +9,8 @@ would act once per rank.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from hp_dtensor.placement_types import Partial
 from hp_dtensor.sharding.op_call import Decision, OpCall, Rule
@@ -37,3 +38,29 @@ def local_update_rule(partial_safe: Collection[str]) -> Rule:
 def is_one_element(shape: tuple[int, ...]) -> bool:
     """Step counters and learning rates arrive as one-element tensors: scalars, not shards."""
     return all(s == 1 for s in shape)
+
+
+def join_local_updates(
+    name: str, flat: list[Any], dtensor_type: Any, tensor_type: Any, shape_of: Callable[[Any], tuple[int, ...]]
+) -> list[Any]:
+    """The arguments of update op ``name`` with each plain tensor of the first DTensor's local
+    shape -- that DTensor's local gradient or state, what ``value_and_grad`` returns for a DTensor
+    parameter -- wrapped with its spec (``dtensor_type(local, spec)``); one-element tensors stay
+    scalars.  A plain tensor of another shape is refused, naming both shapes."""
+    first = next((x for x in flat if isinstance(x, dtensor_type)), None)
+    if first is None:
+        return flat
+    spec = first._spec
+    want = spec.local_shape()
+    out = []
+    for x in flat:
+        got = shape_of(x) if isinstance(x, tensor_type) else ()
+        if isinstance(x, tensor_type) and not isinstance(x, dtensor_type) and got and not is_one_element(got):
+            if got != want:
+                raise RuntimeError(
+                    f"{name}: a plain tensor of shape {got} updates a DTensor whose local shard is {want}; "
+                    f"pass the local gradient/state (shape {want}) or a DTensor"
+                )
+            x = dtensor_type(x, spec)
+        out.append(x)
+    return out

@@ -33,7 +33,7 @@ from hp_dtensor.sharding.dispatch import (
     wrap_leaves,
 )
 from hp_dtensor.sharding.local_grads import GradFacts, GradLayout, grad_facts
-from hp_dtensor.sharding.local_updates import is_one_element, local_update_rule
+from hp_dtensor.sharding.local_updates import is_one_element, join_local_updates, local_update_rule
 from hp_dtensor.sharding.op_call import OpCall, OpTable, TensorInfo
 
 _TABLE = OpTable()
@@ -94,7 +94,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return handler(func, args, kwargs)
     flat, shape = _flatten(args)
     if name in LOCAL_UPDATE_OPS:
-        flat = _join_local_updates(name, flat)
+        flat = join_local_updates(name, flat, DTensor, Tensor, _shape)
     kw_items = list(kwargs.items())
     update = name in LOCAL_UPDATE_OPS
     mesh, _ = shared_mesh(
@@ -108,26 +108,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         entry = _decide(name, flat, shape, kw_items, mesh)
         _CORE.store(key, entry)
     return _run(func, flat, shape, kw_items, mesh, entry)
-
-
-def _join_local_updates(name: str, flat: list[Any]) -> list[Any]:
-    first = next((x for x in flat if isinstance(x, DTensor)), None)
-    if first is None:
-        return flat
-    spec = first._spec
-    want = spec.local_shape()
-    out = []
-    for x in flat:
-        got = tuple(Tensor.shape.fget(x)) if isinstance(x, Tensor) else ()
-        if isinstance(x, Tensor) and not isinstance(x, DTensor) and got and not is_one_element(got):
-            if got != want:
-                raise RuntimeError(
-                    f"{name}: a plain tensor of shape {got} updates a DTensor whose local shard is {want}; "
-                    f"pass the local gradient/state (shape {want}) or a DTensor"
-                )
-            x = DTensor(x, spec)
-        out.append(x)
-    return out
 
 
 # The in-place updates that commute with a Partial reduction when applied to each rank's term:
