@@ -84,6 +84,8 @@ check deny hp_dtensor hp_ep
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
 check deny hp_dtensor/sharding torch
+check deny hp_dtensor/api torch
+check deny hp_dtensor/sharding mindspore
 check deny hp_tp torch
 check deny hp_fsdp torch
 check deny hp_checkpoint torch
