@@ -84,6 +84,8 @@ check deny hp_dtensor hp_ep
 check deny hp_dtensor torch
 check deny hp_dtensor mindspore
 check deny hp_dtensor/sharding torch
+check deny hp_dtensor/api torch
+check deny hp_dtensor/sharding mindspore
 check deny hp_tp torch
 check deny hp_fsdp torch
 check deny hp_checkpoint torch
@@ -116,7 +118,6 @@ check allow hp_models hp_checkpoint
 check allow hp_cp hp_dtensor
 check allow hp_cp/platform/torch torch
 check allow hp_cp/platform/torch hp_dtensor.platform.torch.collectives
-check_allowed
 check allow hp_pp hp_dtensor
 check allow hp_pp/platform/torch torch
 check allow hp_models hp_pp
@@ -124,5 +125,4 @@ check allow hp_ep hp_dtensor
 check allow hp_ep hp_tp
 check allow hp_ep/platform/torch torch
 check allow hp_models hp_ep
-./pants dependencies :: >/dev/null
-echo "ok: the tree has no forbidden edge"
+check_allowed

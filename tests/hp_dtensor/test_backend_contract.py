@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import hp_dtensor.platform.torch as torch_backend
-from hp_dtensor.platform.base import Backend, _members, contract_gaps
+from hp_dtensor.backend_contract import Backend, _members, contract_gaps
 
 
 def test_torch_backend_conforms() -> None:

@@ -43,6 +43,7 @@ register_moved(
             ("hp_dtensor.from_local_check", "hp_dtensor.api.from_local_check", "hp-dtensor"),
             ("hp_dtensor.rng_tracker", "hp_dtensor.api.rng_tracker", "hp-dtensor"),
             ("hp_dtensor.mesh_exchange", "hp_dtensor.api.mesh_exchange", "hp-dtensor"),
+            ("hp_dtensor.platform.base", "hp_dtensor.backend_contract", "hp-dtensor"),
             ("hp_dtensor.loss_parallel_kernel", "hp_tp.loss_parallel_kernel", "hp-tp"),
             ("hp_dtensor.loss_parallel_rules", "hp_tp.loss_parallel_rules", "hp-tp"),
             ("hp_dtensor.checkpoint", "hp_checkpoint.dcp", "hp-checkpoint"),

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import hp_dtensor.platform.mindspore as ms_backend
+from hp_dtensor.backend_contract import contract_gaps
 from hp_dtensor.platform import current
-from hp_dtensor.platform.base import contract_gaps
 
 
 def test_mindspore_backend_conforms() -> None:

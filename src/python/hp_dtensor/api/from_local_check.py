@@ -35,9 +35,9 @@ from hp_dtensor.layout.shard_geometry import local_shape
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard, normalize_placements
 
 if TYPE_CHECKING:
+    from hp_dtensor.backend_contract import Collectives
     from hp_dtensor.device_mesh import DeviceMesh
     from hp_dtensor.layout.dtensor_spec import DTensorSpec
-    from hp_dtensor.platform.base import Collectives
 
 # The bytes of a tensor's values, row-major and contiguous (a numpy array's or a memoryview's
 # buffer serves): what a backend hands to ``checked_spec``.

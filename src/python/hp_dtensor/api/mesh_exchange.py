@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from hp_dtensor.backend_contract import Collectives
     from hp_dtensor.device_mesh import DeviceMesh
-    from hp_dtensor.platform.base import Collectives
 
 
 def gather_over_mesh(rows: list[list[int]], mesh: DeviceMesh, prims: Collectives) -> list[list[int]]:

@@ -3,7 +3,7 @@
 ``current()`` returns the DTensor backend module selected by ``HYPER_PARALLEL_PLATFORM``
 (``torch`` or ``mindspore``), else the installed framework (torch first).  What the DTensor needs
 from a framework -- process groups, collectives, the tensor subclass and its op dispatch, RNG,
-modules and hooks -- is reached through it; ``platform.base.Backend`` is that contract.
+modules and hooks -- is reached through it; ``hp_dtensor.backend_contract.Backend`` is that contract.
 
 A package above the DTensor keeps the framework calls of its own features (``fully_shard``'s flat
 buffers, loss parallel's interception, checkpoint file formats) in its own
@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from hp_dtensor.platform.base import Backend
+    from hp_dtensor.backend_contract import Backend
 
 _KNOWN = ("torch", "mindspore")
 
@@ -50,8 +50,8 @@ def platform_name() -> str:
 @lru_cache(maxsize=1)
 def current() -> Backend:
     """The backend module (``hp_dtensor.platform.torch`` or ``...mindspore``), typed by the
-    backend contract (``platform.base.Backend``) that each backend is checked against."""
-    from hp_dtensor.platform.base import contract_gaps
+    backend contract (``hp_dtensor.backend_contract.Backend``) that each backend is checked against."""
+    from hp_dtensor.backend_contract import contract_gaps
 
     name = platform_name()
     backend = importlib.import_module(f"hp_dtensor.platform.{name}")

@@ -15,14 +15,29 @@ as does a mesh dim of size 1.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hp_dtensor.layout.shard_geometry import chunk_size, chunk_size_and_offset, size_before
 from hp_dtensor.placement_types import Partial, Placement, ReduceOp, Replicate, Shard, partials_replicated
 from hp_dtensor.redistribute.planner import RedistributePlan, StepKind, plan_redistribute
 
-if TYPE_CHECKING:
-    from hp_dtensor.device_mesh import DeviceMesh
+
+class PlanMesh(Protocol):
+    """What the walker reads of a mesh (``DeviceMesh`` is one): its topology and this rank's
+    groups.  A Protocol, so the redistribute layer does not import the mesh, which reaches the
+    platform."""
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def get_coordinate(self) -> tuple[int, ...] | None: ...
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Any: ...
+
+    def group_ranks(self, mesh_dim: int) -> tuple[int, ...]: ...
 
 
 class PlanPrimitives(Protocol):
@@ -78,7 +93,7 @@ def _empty_result(prims: PlanPrimitives, t: Any, shape: list[int]) -> Any:
     return out
 
 
-def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPrimitives) -> Any:
+def run_plan(plan: RedistributePlan, local: Any, mesh: PlanMesh, prims: PlanPrimitives) -> Any:
     coord = mesh.get_coordinate()
     assert coord is not None, "this rank is not part of the mesh"
     state: list[Placement] = list(plan.src)
@@ -181,7 +196,7 @@ def run_plan(plan: RedistributePlan, local: Any, mesh: DeviceMesh, prims: PlanPr
 
 def redistribute_local(
     local: Any,
-    mesh: DeviceMesh,
+    mesh: PlanMesh,
     global_shape: tuple[int, ...],
     src: tuple[Placement, ...],
     dst: tuple[Placement, ...],
@@ -200,7 +215,7 @@ def grad_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
     return partials_replicated(placements)
 
 
-def reduce_over(local: Any, mesh: DeviceMesh, mesh_dims: tuple[int, ...], op: ReduceOp, prims: PlanPrimitives) -> Any:
+def reduce_over(local: Any, mesh: PlanMesh, mesh_dims: tuple[int, ...], op: ReduceOp, prims: PlanPrimitives) -> Any:
     """``local`` reduced with ``op`` (sum, avg, max, min) over the ranks of ``mesh_dims``, the
     result on each of them: the plan from ``Partial(op)`` on those dims to ``Replicate``, one
     all_reduce per dim.  How layout-internal reductions (a softmax's row max and sum over vocab

@@ -13,7 +13,8 @@ MindSpore.  (``torch.distributed.tensor`` casts each term; that loses the precis
 
 from __future__ import annotations
 
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, keeps_uneven
 from hp_dtensor.sharding.pointwise import pointwise_rule
 
 # (exponent bits, mantissa bits) of the floating formats, by their neutral names; a complex
@@ -53,3 +54,24 @@ def cast_rule(call: OpCall, target: object | None) -> Decision:
     src_dtype = src.dtype if isinstance(src, TensorInfo) else None
     keeps = src_dtype is not None and cast_keeps_partial(src_dtype, src_dtype if target is None else target)
     return pointwise_rule(call, linearity="mul" if keeps else None)
+
+
+def dtype_kwarg_cast_rule(call: OpCall) -> Decision:
+    """``.to(dtype)`` / ``.half()`` / ``.float()`` (aten ``_to_copy(x, *, dtype)``): a Partial
+    input stays Partial only through a cast that loses nothing; before a narrowing one it is
+    reduced in its own dtype."""
+    return cast_rule(call, call.kwargs.get("dtype"))
+
+
+def cast_input_rule(call: OpCall) -> Decision:
+    """``astype``/``ops.cast`` (``Cast(x, dtype)``, as arguments or a primitive call's inputs):
+    a Partial input stays Partial only through a cast that loses nothing; before a narrowing one
+    (to float16, an integer, bool) it is reduced in its own dtype, as one process would round the
+    reduced value once."""
+    inputs = prim_inputs(call)
+    target = inputs[1] if len(inputs) > 1 else call.kwargs.get("dtype")
+    return cast_rule(with_inputs(call, inputs), target)
+
+
+keeps_uneven(dtype_kwarg_cast_rule)
+keeps_uneven(cast_input_rule)

@@ -268,6 +268,78 @@ def unflatten_one_level(flat: Sequence[Any], pos: int, shape: Sequence[Any]) -> 
     return out, pos
 
 
+class OneLevelSpec:
+    """Args and kwargs nested at most one level in lists/tuples (what aten ops take), as
+    ``flatten_call`` found them: rebuilt without a generic tree library's (slower) machinery.
+    ``arg_shape``/``kw_shape`` hold, per argument, None for a leaf or (type, length)."""
+
+    __slots__ = ("arg_shape", "keys", "kw_shape", "key")
+
+    def __init__(self, arg_shape: tuple[Any, ...], keys: tuple[str, ...], kw_shape: tuple[Any, ...]) -> None:
+        self.arg_shape = arg_shape
+        self.keys = keys
+        self.kw_shape = kw_shape
+        # The structure goes into the decision cache key: sum(x, [0, 1]) and sum(x, 0, 1) flatten
+        # to the same leaves.
+        self.key = (arg_shape, keys, kw_shape)
+
+    def unflatten(self, flat: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, pos = unflatten_one_level(flat, 0, self.arg_shape)
+        kwargs, _ = unflatten_one_level(flat, pos, self.kw_shape)
+        return tuple(args), dict(zip(self.keys, kwargs))
+
+    def n_arg_leaves(self) -> int:
+        """How many of the flat leaves are positional arguments (the rest are keyword arguments)."""
+        return sum(1 if s is None else s[1] for s in self.arg_shape)
+
+
+def flatten_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], OneLevelSpec] | None:
+    """The leaves of ``args`` then ``kwargs`` opened one level, with how to rebuild them; None
+    where they nest deeper (the caller flattens those its own way)."""
+    flat: list[Any] = []
+    arg_shape = flatten_one_level(args, flat)
+    kw_shape = flatten_one_level(kwargs.values(), flat) if arg_shape is not None else None
+    if arg_shape is None or kw_shape is None:
+        return None
+    return flat, OneLevelSpec(arg_shape, tuple(kwargs), kw_shape)
+
+
+def flatten_prim_args(args: tuple[Any, ...], dtensor_type: Any) -> tuple[list[Any], tuple[Any, ...]]:
+    """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
+    tensors, or a primitive call ``(prim, name, [inputs])``) and the shape that rebuilds them
+    (``unflatten_one_level``).  A list or tuple inside an opened one (a primitive's axis list:
+    ``(prim, "ReduceSum", [x, [0, 1], ...])``) stays whole as one leaf; a DTensor that deep is
+    refused."""
+    flat: list[Any] = []
+    shape = flatten_one_level(args, flat)
+    if shape is not None:
+        return flat, shape
+    flat = []
+    parts: list[Any] = []
+    for a in args:
+        if type(a) in (list, tuple):
+            flat.extend(a)
+            parts.append((type(a), len(a)))
+        else:
+            flat.append(a)
+            parts.append(None)
+    if any(isinstance(x, _CONTAINERS) and _holds(x, dtensor_type) for x in flat):
+        raise NotImplementedError(
+            "a DTensor argument nested more than one list deep is not supported; pass it directly"
+        )
+    return flat, tuple(parts)
+
+
+def _holds(x: Any, dtensor_type: Any) -> bool:
+    if isinstance(x, dtensor_type):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_holds(y, dtensor_type) for y in x)
+    if isinstance(x, dict):
+        return any(_holds(y, dtensor_type) for y in x.values())
+    return False
+
+
 def shared_mesh(
     op: Any,
     leaves: Iterable[Any],

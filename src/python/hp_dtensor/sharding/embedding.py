@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from hp_dtensor.layout.shard_geometry import local_offset
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, replicated_rule
 
 
 def embedding_rule(call: OpCall) -> Decision:
@@ -89,3 +90,14 @@ def embedding_backward_rule(call: OpCall, weight_placements: tuple[Placement, ..
             req_i.append(Replicate())
             out.append(Replicate())
     return Decision((tuple(req_g), tuple(req_i)), (tuple(out),))
+
+
+def gather_rows_rule(call: OpCall) -> Decision:
+    """``Gather(table, ids, axis=0, batch_dims=0)``: an embedding lookup when axis is 0 and the
+    table is 2-D; any other gather computes on whole tensors."""
+    inputs = prim_inputs(call)
+    table, ids = inputs[0], inputs[1]
+    axis = int(inputs[2]) if len(inputs) > 2 else 0
+    if axis != 0 or table.ndim != 2:
+        return replicated_rule(call)
+    return embedding_rule(with_inputs(call, (table, ids)))

@@ -9,7 +9,8 @@ replicated.  The cheapest by the planner's cost model wins.
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, cheapest, per_mesh_dim
+from hp_dtensor.sharding.op_args import with_inputs
+from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, cheapest, per_mesh_dim, replicated_rule
 from hp_dtensor.sharding.pointwise import _follow
 
 
@@ -83,3 +84,34 @@ def matmul_equation(a: TensorInfo, b: TensorInfo, ta: bool = False, tb: bool = F
     lb = (batch[nb - batch_b:] if batch_b else "") + (("nk" if tb else "kn") if b.ndim >= 2 else "k")
     out = batch + ("m" if a.ndim >= 2 else "") + ("n" if b.ndim >= 2 else "")
     return f"{la},{lb}->{out}"
+
+
+def transposed_matmul_rule(call: OpCall) -> Decision:
+    """``MatMul(a, b, transpose_a, transpose_b)`` / ``BatchMatMul`` (the flags positional or by
+    keyword)."""
+    a, b = call.args[0], call.args[1]
+    ta = bool(call.args[2]) if len(call.args) > 2 else bool(call.kwargs.get("transpose_a", False))
+    tb = bool(call.args[3]) if len(call.args) > 3 else bool(call.kwargs.get("transpose_b", False))
+    return einsum_rule(call, matmul_equation(a, b, ta, tb))
+
+
+def matmul_rule(call: OpCall) -> Decision:
+    """``matmul(a, b)`` with numpy broadcasting; batch dims that differ (broadcast against each
+    other) compute on whole tensors."""
+    a, b = call.args[0], call.args[1]
+    if a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        return replicated_rule(call)
+    return einsum_rule(call, matmul_equation(a, b, False, False))
+
+
+def dense_rule(call: OpCall) -> Decision:
+    """``Dense(x, weight[out, in], bias)``: x @ weight.T + bias."""
+    x, w = call.args[0], call.args[1]
+    bias = call.args[2] if len(call.args) > 2 else None
+    batch = batch_labels(x.ndim - 1, "kn")
+    eq = f"{batch}k,nk->{batch}n"
+    if not isinstance(bias, TensorInfo):
+        return einsum_rule(with_inputs(call, (x, w)), eq)
+    dec = einsum_rule(with_inputs(call, (bias, x, w)), eq, has_bias=True)
+    b_req, x_req, w_req = dec.inputs
+    return Decision((x_req, w_req, b_req), dec.outputs)

@@ -8,6 +8,7 @@ gradients sum over those leading dims, so a leading-dim shard makes them ``Parti
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
 from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
 
 
@@ -75,3 +76,24 @@ def softmax_rule(call: OpCall, dim: int, n_tensor_inputs: int = 1) -> Decision:
     d = dim % max(ref.ndim, 1)
     req = tuple(p if isinstance(p, Shard) and p.dim != d else Replicate() for p in ref.placements)
     return Decision(tuple(req for _ in infos), (req,))
+
+
+def layer_norm_axis_rule(call: OpCall) -> Decision:
+    """``LayerNorm(x, gamma, beta, begin_norm_axis, begin_params_axis, eps) -> (y, mean, rstd)``:
+    the dims from ``begin_norm_axis`` on are normalized."""
+    inputs = prim_inputs(call)
+    x = inputs[0]
+    begin = int(inputs[3]) if len(inputs) > 3 else -1
+    begin %= x.ndim
+    return layer_norm_rule(with_inputs(call, (x, inputs[1], inputs[2])), x.ndim - begin)
+
+
+def softmax_axis_rule(call: OpCall) -> Decision:
+    """``Softmax(x, axis)``: the primitive takes a tuple of one axis, the functional forms an int
+    (positional or ``axis``/``dim``)."""
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", call.kwargs.get("dim", -1))
+    if isinstance(axis, (list, tuple)):
+        if len(axis) != 1:
+            raise NotImplementedError(f"{call.name} over several axes {axis} has no sharding rule")
+        axis = axis[0]
+    return softmax_rule(call, int(axis))

@@ -150,6 +150,19 @@ def cheapest(
     return best
 
 
+def keeps_uneven(rule: Rule, n_outputs: int = 1, kernel_name: str | None = None) -> Rule:
+    """Mark a pointwise ``rule``: on unevenly sharded inputs dispatch may run it shard by shard
+    (``uneven_pointwise_rule``) with ``n_outputs`` outputs and ``kernel_name`` as its local kernel."""
+    rule.uneven_pointwise = n_outputs  # type: ignore[attr-defined]
+    rule.uneven_kernel = kernel_name  # type: ignore[attr-defined]
+    return rule
+
+
+def replicated_rule(call: OpCall) -> Decision:
+    """Compute on whole tensors: for the shapes of an op that its rule has no sharding for."""
+    rep = tuple(Replicate() for _ in call.mesh_shape)
+    return Decision(tuple(rep for _ in call.tensors()), (rep,))
+
 
 class OpTable:
     """One platform's sharding rules and local kernels, keyed by how that platform names an op

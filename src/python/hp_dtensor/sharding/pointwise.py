@@ -14,7 +14,17 @@ platform has the kernel, adds the constant on the first rank of the partial mesh
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, cheapest, per_mesh_dim
+from hp_dtensor.sharding.op_args import inplace_by_name, prim_inputs, with_inputs
+from hp_dtensor.sharding.op_call import (
+    Decision,
+    OpCall,
+    Rule,
+    TensorInfo,
+    cheapest,
+    keeps_uneven,
+    per_mesh_dim,
+    replicated_rule,
+)
 
 
 def _out_shape(infos: list[TensorInfo]) -> tuple[int, ...]:
@@ -133,3 +143,97 @@ def _partial_inputs(
     if force_first and linearity == "mul" and isinstance(cur[0], Partial):
         return [target] + [Replicate() for _ in cur[1:]]
     return None
+
+
+# ---------------------------------------------------------------- families and ops, as the backends name them
+def pointwise_family(linearity: str | None, n_outputs: int = 1, *, scalar_once: bool = True) -> Rule:
+    """The rule of a family of aten pointwise ops of one ``linearity`` (in-place forms told by
+    name), which may keep uneven shards."""
+
+    def rule(call: OpCall) -> Decision:
+        return pointwise_rule(
+            call, linearity=linearity, inplace=inplace_by_name(call), n_outputs=n_outputs, scalar_once=scalar_once
+        )
+
+    return keeps_uneven(rule, n_outputs)
+
+
+def inputs_pointwise_family(linearity: str | None) -> Rule:
+    """The rule of a family of pointwise ops on a primitive call's inputs (or the arguments),
+    which may keep uneven shards."""
+
+    def rule(call: OpCall) -> Decision:
+        return pointwise_rule(with_inputs(call, prim_inputs(call)), linearity=linearity)
+
+    return keeps_uneven(rule)
+
+
+def masked_fill_rule(call: OpCall) -> Decision:
+    """``masked_fill(x, mask, value)``: filling with a constant is linear in a Partial input when
+    the constant goes to one rank only (zeros elsewhere; the ``scalar_once_2`` kernel); vector_norm's
+    backward fills a Partial(sum) in place this way.  Pointwise on every input: an uneven self is
+    filled shard by shard (an in-place fill could not move its self to the even layout other rules
+    see)."""
+    inplace = inplace_by_name(call)
+    if isinstance(call.args[2], TensorInfo):  # a DTensor value: not linear in the filled input
+        return pointwise_rule(call, inplace=inplace)
+    dec = pointwise_rule(call, linearity="mul", inplace=inplace)
+    out = dec.outputs[0] or ()
+    if any(isinstance(p, Partial) and p.reduce_op == "sum" for p in out):
+        return Decision(dec.inputs, dec.outputs, kernel=f"{SCALAR_ONCE}2")
+    return dec
+
+
+keeps_uneven(masked_fill_rule)
+
+
+def add_sub_rule(call: OpCall) -> Decision:
+    """x + y on a backend without the ``scalar_once`` kernels: it stays Partial only when both
+    operands are DTensors -- a Python number or a plain scalar tensor would be added once per rank,
+    so a Partial operand is reduced first."""
+    inputs = prim_inputs(call)
+    linear = all(isinstance(x, TensorInfo) for x in inputs[:2])
+    return pointwise_rule(with_inputs(call, inputs), linearity="add" if linear else None)
+
+
+def div_rule(call: OpCall) -> Decision:
+    """x / y is linear in x only: a number over a DTensor is not."""
+    inputs = prim_inputs(call)
+    linear = bool(inputs) and isinstance(inputs[0], TensorInfo)
+    return pointwise_rule(with_inputs(call, inputs), linearity="div" if linear else None)
+
+
+keeps_uneven(add_sub_rule)
+keeps_uneven(div_rule)
+
+
+def bias_add_rule(call: OpCall) -> Decision:
+    """BiasAdd(x, b): pointwise over the trailing dim of a 2-D x; NCHW inputs (the bias broadcast
+    on dim 1, not the trailing dim) compute on whole tensors."""
+    x, b = prim_inputs(call)[:2]
+    if x.ndim != 2:
+        return replicated_rule(call)
+    return pointwise_rule(with_inputs(call, (x, b)), linearity="add")
+
+
+def dropout_rule(call: OpCall) -> Decision:
+    """Dropout(x) -> (y, mask): pointwise on x (a Partial is reduced first: dropping terms is not
+    dropping the sum), run by the platform's ``dropout`` kernel, which draws the mask from the
+    job-wide stream."""
+    x = prim_inputs(call)[0]
+    dec = pointwise_rule(with_inputs(call, (x,)), linearity=None, n_outputs=2)
+    return Decision(dec.inputs, dec.outputs, kernel="dropout")
+
+
+def func_dropout_rule(call: OpCall) -> Decision:
+    """``dropout(x, p, training, inplace, ...)``: as ``dropout_rule``, one output, the
+    ``func_dropout`` kernel; in-place dropout is refused."""
+    x = call.args[0]
+    if len(call.args) > 3 and call.args[3]:
+        raise NotImplementedError("dropout(inplace=True) on a DTensor is not supported; use inplace=False")
+    dec = pointwise_rule(with_inputs(call, (x,)), linearity=None)
+    return Decision(dec.inputs, dec.outputs, kernel="func_dropout")
+
+
+keeps_uneven(dropout_rule, 2, "dropout")
+keeps_uneven(func_dropout_rule, 1, "func_dropout")

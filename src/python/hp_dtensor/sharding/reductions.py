@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_args import dims_of, prim_inputs, reduce_args
+from hp_dtensor.sharding.op_call import Decision, OpCall, Rule, TensorInfo
 
 # any/all give booleans: the any of every rank's any is their max, the all their min.
 _PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min", "any": "max", "all": "min"}
@@ -96,3 +97,50 @@ def vector_norm_rule(call: OpCall, ord_: float, dims: Sequence[int] | None, keep
             out.append(Replicate())
     kernel = "vector_norm" if any(isinstance(p, Shard) and p.dim in red for p in req) else None
     return Decision((tuple(req),), (tuple(out),), kernel=kernel)
+
+
+# ---------------------------------------------------------------- ops as the backends call them
+def reduction_family(kind: str) -> Rule:
+    """The rule of a ``kind`` reduction in any of its call forms (``reduce_args``); a max/min
+    over a sharded dim runs as the ``extremum_<kind>`` kernel (``extremum_across_ranks``)."""
+
+    def rule(call: OpCall) -> Decision:
+        x, dims, keep = reduce_args(call)
+        dec = reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), kind, dims, keep)
+        if kind in ("amax", "amin"):
+            return extremum_across_ranks(dec, kind)
+        return dec
+
+    return rule
+
+
+def extremum_across_ranks(dec: Decision, kind: str) -> Decision:
+    """A max/min over a sharded dim runs as the ``extremum_<kind>`` kernel: the global value on
+    every rank (Replicate where the rule said Partial), with MindSpore's gradient -- split evenly
+    among the *global* ties across shards.  Left Partial, each rank's local backward would split
+    the gradient among its own local maxima, whether or not they are the global one."""
+    req, out = dec.inputs[0], dec.outputs[0]
+    assert req is not None and out is not None
+    across = [k for k, (r, o) in enumerate(zip(req, out)) if isinstance(r, Shard) and isinstance(o, Partial)]
+    if not across:
+        return dec
+    rep = tuple(Replicate() if k in across else o for k, o in enumerate(out))
+    return Decision(dec.inputs, (rep,), kernel=f"extremum_{kind}")
+
+
+def lp_norm_rule(call: OpCall) -> Decision:
+    """``ops.norm(x, p, dim)``: the LpNorm primitive (its axis, p and keep_dims are attributes of
+    the primitive, the call's first argument) is not a sum of per-rank parts; a sharded reduced
+    dim is gathered, kept dims stay sharded."""
+    prim, x = call.args[0], prim_inputs(call)[0]
+    attrs = getattr(prim, "attrs", {})
+    dims = dims_of(attrs.get("axis"))
+    return gathered_reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), dims, bool(attrs.get("keep_dims", False)))
+
+
+def foreach_norm_rule(call: OpCall) -> Decision:
+    """``_foreach_norm`` (clip_grad_norm_ with foreach=True): each tensor gathered, so the local
+    norm is the global one (correct; grads are small next to the step)."""
+    infos = call.tensors()
+    return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
+                    (tuple(Replicate() for _ in infos[0].placements),))

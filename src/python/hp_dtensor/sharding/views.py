@@ -214,3 +214,67 @@ def stack_rule(call: OpCall, tensors: Sequence[TensorInfo], axis: int) -> Decisi
     dec = pointwise_rule(OpCall(call.name, call.mesh_shape, tuple(tensors)), linearity="add")
     out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= axis else p for p in dec.outputs[0] or ())
     return Decision(dec.inputs, (out,))
+
+
+# ---------------------------------------------------------------- ops as the backends call them
+def local_view_rule(call: OpCall) -> Decision:
+    """``view``/``reshape`` run as the ``view`` kernel (a copy where the shard's layout cannot take
+    the view) with local sizes; with nothing sharded the op runs exactly as asked."""
+    dec = view_rule(call)
+    if not any(isinstance(p, Shard) for pl in (*dec.inputs, *dec.outputs) for p in pl or ()):
+        # Every shard is the whole tensor laid out as the wrapper says (and the steady state
+        # needs no rewritten arguments).
+        return Decision(dec.inputs, dec.outputs)
+    return Decision(dec.inputs, dec.outputs, args=dec.args, kernel="view")
+
+
+def squeeze_dims_rule(call: OpCall) -> Decision:
+    """Squeeze exactly the dims of global size 1 (the ``squeeze_dims`` kernel): a shard may have
+    size 1 where the tensor does not."""
+    dec = squeeze_rule(call)
+    t: TensorInfo = call.args[0]
+    if len(call.args) > 1:
+        d = call.args[1]
+        asked = [d] if isinstance(d, int) else list(d)
+        dims = [x % max(t.ndim, 1) for x in asked if t.ndim and t.shape[x % t.ndim] == 1]
+    else:
+        dims = [i for i, s in enumerate(t.shape) if s == 1]
+    return Decision(dec.inputs, dec.outputs, args=(t, dims), kernel="squeeze_dims")
+
+
+def select_backward_rule(call: OpCall) -> Decision:
+    """``select_backward(grad, input_sizes, dim, index)``: zeros with ``grad`` written at the index;
+    the grad's shards move past the restored dim, the local call gets local sizes."""
+    g: TensorInfo = call.args[0]
+    sizes = list(call.args[1])
+    d = call.args[2] % len(sizes)
+    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in g.placements)
+    args = list(call.args)
+    args[1] = list(local_shape(tuple(sizes), call.mesh_shape, out, call.coordinate))
+    return Decision((g.placements,), (out,), args=tuple(args))
+
+
+def reshape_sizes_rule(call: OpCall) -> Decision:
+    """``Reshape(x, sizes)`` / ``View(x, *sizes)``: the sizes as one sequence or spread out; the
+    local call gets local sizes as a tuple."""
+    x = call.args[0]
+    rest = call.args[1:]
+    sizes = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else list(rest)
+    dec = view_rule(OpCall(call.name, call.mesh_shape, (x, sizes)))
+    if dec.args is None:
+        return Decision(dec.inputs, dec.outputs, args=(x, tuple(sizes)))
+    return Decision(dec.inputs, dec.outputs, args=(dec.args[0], tuple(dec.args[1])))
+
+
+def stack_axis_rule(call: OpCall) -> Decision:
+    """``stack(tensors, axis)`` (axis positional or ``dim``/``axis``), run as the platform's
+    ``stack`` kernel (MindSpore's CPU backend has no StackExt kernel)."""
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", call.kwargs.get("axis", 0))
+    dec = stack_rule(call, list(call.args[0]), int(axis))
+    return Decision(dec.inputs, dec.outputs, kernel="stack")
+
+
+def concat_axis_rule(call: OpCall) -> Decision:
+    """``Concat(tensors, axis)``: ``cat_rule`` with the axis positional or by keyword ``axis``."""
+    axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", 0)
+    return cat_rule(OpCall(call.name, call.mesh_shape, (list(call.args[0]), axis)))

@@ -63,8 +63,8 @@ def set_num_threads(n: int) -> None:
 
 if TYPE_CHECKING:
     # mypy checks this module against the backend contract.
+    from hp_dtensor.backend_contract import Backend
     from hp_dtensor.platform import mindspore as _self
-    from hp_dtensor.platform.base import Backend
 
     _conforms: Backend = _self
 

@@ -7,53 +7,34 @@ op runs on local data with fallback off, and tensor outputs are wrapped with the
 rule gave.  Because autograd runs on local tensors, a replicated input whose op gives ranks
 different outputs holds only this rank's term of its gradient: a parameter or op output gets
 ``AllReduceGrad`` (its gradient must be whole), a value made by ``redistribute`` lets its
-``GradLayout`` collect the terms once in its own backward (see ``redistribute.py``).
+``GradLayout`` collect the terms once in its own backward (``hp_dtensor.sharding.local_grads``).
 An op without a rule replicates its inputs (correct, slower) and warns once naming the op.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from mindspore import Tensor
 from mindspore._c_expression import NoFallbackGuard
 
-from hp_dtensor.placement_types import Partial, Replicate
 from hp_dtensor.platform.mindspore.dtensor import DTensor
-from hp_dtensor.platform.mindspore.redistribute import (
-    AllReduceGrad,
-    GradLayout,
-    KeepGradOnRoot,
-    Redistribute,
-    ScaleGrad,
-)
+from hp_dtensor.platform.mindspore.redistribute import AllReduceGrad, KeepGradOnRoot, Redistribute, ScaleGrad
 from hp_dtensor.sharding.dispatch import (
     CachedCall,
     DispatchCore,
     call_key,
     fill_placeholders,
-    flatten_one_level,
+    flatten_prim_args,
     make_cached_call,
     shared_mesh,
     unflatten_one_level,
     wrap_leaves,
 )
-from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, TensorInfo
-
-
-@dataclass(frozen=True, slots=True)
-class _GradFacts:
-    """What the gradient bookkeeping derives from a decision, per DTensor input: the mesh dims on
-    which the op's local backward yields only this rank's term of the input's gradient, and
-    whether the op passes the input's gradient through unchanged in form (see ``_run``), and
-    the factor its local gradient takes (``_avg_grad_scale``)."""
-
-    grad_dims: tuple[tuple[int, ...], ...]
-    transparent: tuple[bool, ...]
-    grad_scale: tuple[float, ...]
-
+from hp_dtensor.sharding.local_grads import GradFacts, GradLayout, grad_facts
+from hp_dtensor.sharding.local_updates import is_one_element, join_local_updates, local_update_rule
+from hp_dtensor.sharding.op_call import OpCall, OpTable, TensorInfo
 
 _TABLE = OpTable()
 RULES = _TABLE.rules
@@ -91,38 +72,7 @@ def random_op(*names: str) -> Callable[[Any], Any]:
 
 
 def _flatten(args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
-    """Leaves of ``args`` with lists/tuples opened one level (MindSpore ops take at most a list of
-    tensors, or a primitive call ``(prim, name, [inputs])``); ``shape`` rebuilds them.  A list or
-    tuple inside an opened one (a primitive's axis list: ``(prim, "ReduceSum", [x, [0, 1], ...])``)
-    stays whole as one leaf; a DTensor that deep is refused."""
-    flat: list[Any] = []
-    shape = flatten_one_level(args, flat)
-    if shape is not None:
-        return flat, shape
-    flat = []
-    parts: list[Any] = []
-    for a in args:
-        if type(a) in (list, tuple):
-            flat.extend(a)
-            parts.append((type(a), len(a)))
-        else:
-            flat.append(a)
-            parts.append(None)
-    if any(isinstance(x, (list, tuple, dict)) and _holds_dtensor(x) for x in flat):
-        raise NotImplementedError(
-            "a DTensor argument nested more than one list deep is not supported; pass it directly"
-        )
-    return flat, tuple(parts)
-
-
-def _holds_dtensor(x: Any) -> bool:
-    if isinstance(x, DTensor):
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_holds_dtensor(y) for y in x)
-    if isinstance(x, dict):
-        return any(_holds_dtensor(y) for y in x.values())
-    return False
+    return flatten_prim_args(args, DTensor)
 
 
 def _unflatten(flat: list[Any], shape: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -144,12 +94,12 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return handler(func, args, kwargs)
     flat, shape = _flatten(args)
     if name in LOCAL_UPDATE_OPS:
-        flat = _join_local_updates(name, flat)
+        flat = join_local_updates(name, flat, DTensor, Tensor, _shape)
     kw_items = list(kwargs.items())
     update = name in LOCAL_UPDATE_OPS
     mesh, _ = shared_mesh(
         name, flat + [v for _, v in kw_items], DTensor, Tensor, "mindspore.Tensor", _shape,
-        lambda _, lshape: update and _is_one_element(lshape),
+        lambda _, lshape: update and is_one_element(lshape),
     )
     key, entry = _CORE.lookup(
         call_key(name, _unflatten(flat, shape), dict(kw_items), DTensor, Tensor, _tensor_key, False)
@@ -160,50 +110,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _run(func, flat, shape, kw_items, mesh, entry)
 
 
-def _join_local_updates(name: str, flat: list[Any]) -> list[Any]:
-    first = next((x for x in flat if isinstance(x, DTensor)), None)
-    if first is None:
-        return flat
-    spec = first._spec
-    want = spec.local_shape()
-    out = []
-    for x in flat:
-        got = tuple(Tensor.shape.fget(x)) if isinstance(x, Tensor) else ()
-        if isinstance(x, Tensor) and not isinstance(x, DTensor) and got and not _is_one_element(got):
-            if got != want:
-                raise RuntimeError(
-                    f"{name}: a plain tensor of shape {got} updates a DTensor whose local shard is {want}; "
-                    f"pass the local gradient/state (shape {want}) or a DTensor"
-                )
-            x = DTensor(x, spec)
-        out.append(x)
-    return out
-
-
-def _is_one_element(shape: tuple[int, ...]) -> bool:
-    """Step counters and learning rates arrive as one-element tensors: scalars, not shards."""
-    return all(s == 1 for s in shape)
-
-
 # The in-place updates that commute with a Partial reduction when applied to each rank's term:
 # scaling by a number, zeroing, copying a value of the same layout.  Any other (adding a number,
 # filling, sqrt, ...) would act once per rank.
 _PARTIAL_SAFE_UPDATES = frozenset({"InplaceMuls", "InplaceDivs", "InplaceZero", "InplaceCopy", "Assign"})
-
-
-@register(*LOCAL_UPDATE_OPS)
-def _local_update(call: OpCall) -> Decision:
-    """Every argument is already in the layout of the tensor it updates: run shard by shard."""
-    tensors = call.tensors()
-    first = tensors[0]
-    if any(isinstance(p, Partial) for p in first.placements) and (
-        call.name not in _PARTIAL_SAFE_UPDATES or any(t.placements != first.placements for t in tensors[1:])
-    ):
-        raise ValueError(
-            f"in-place {call.name} on a DTensor with placements {first.placements} would apply to every "
-            f"rank's partial term; call .redistribute(placements=[Replicate()]) (or .full_tensor()) first"
-        )
-    return Decision(tuple(None for _ in tensors), (first.placements,), out_shape=first.shape)
+register(*LOCAL_UPDATE_OPS)(local_update_rule(_PARTIAL_SAFE_UPDATES))
 
 
 def _info(leaf: Any) -> Any:
@@ -223,62 +134,14 @@ def _decide(name: str, flat: list[Any], shape: tuple[Any, ...], kw_items: list[t
     # The autograd bookkeeping below runs on every call: no direct steady state on MindSpore.
     return make_cached_call(
         decision, is_fallback, mesh, actual, None, single_tensor_output=False, top_level_only=False,
-        inplace=False, extra=_grad_facts(call, decision),
-    )
-
-
-def _grad_facts(call: OpCall, decision: Decision) -> _GradFacts:
-    reqs = [target if target is not None else t.placements for t, target in zip(call.tensors(), decision.inputs)]
-    grad_dims = tuple(_grad_sum_dims(req, decision.outputs) for req in reqs)
-    single = len(reqs) == 1
-    transparent = tuple(
-        single and not dims and _replicated_where_input_is(req, decision.outputs) for req, dims in zip(reqs, grad_dims)
-    )
-    scale = tuple(_avg_grad_scale(req, decision.outputs, call.mesh_shape) for req in reqs)
-    return _GradFacts(grad_dims, transparent, scale)
-
-
-def _avg_grad_scale(req: tuple[Any, ...], outputs: tuple[Any, ...], mesh_shape: tuple[int, ...]) -> float:
-    """1/n for each mesh dim of size n where an output is ``Partial("avg")`` but the input is not
-    Partial (a mean over a sharded dim, a Partial("avg") factor times a replicated one).
-
-    The global value is the mean of the ranks' terms, so the loss's derivative with respect to one
-    term is G/n; but the gradient a Partial output receives is G itself (the convention in
-    ``redistribute.py``, torch's), which the local backward would hand on unscaled.  An input that
-    is Partial("avg") there needs no factor: its own gradient is G by the same convention."""
-    scale = 1.0
-    for k, p in enumerate(req):
-        if isinstance(p, Partial):
-            continue
-        if any(o is not None and isinstance(o[k], Partial) and o[k].reduce_op == "avg" for o in outputs):
-            scale /= mesh_shape[k]
-    return scale
-
-
-def _grad_sum_dims(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> tuple[int, ...]:
-    """Mesh dims where ``req`` is Replicate but some output differs between ranks."""
-    return tuple(
-        k for k, p in enumerate(req)
-        if isinstance(p, Replicate) and any(o is not None and not isinstance(o[k], Replicate) for o in outputs)
-    )
-
-
-def _replicated_where_input_is(req: tuple[Any, ...], outputs: tuple[Any, ...]) -> bool:
-    """Every output is replicated exactly where the (only) input is: every rank computes the same
-    thing there, so the op passes a gradient through in whatever form it comes (whole or as
-    terms).  An output replicated where the input is sharded (a kernel that reduces across ranks
-    inside, like a max over a sharded dim) needs its gradient whole: its backward is not linear
-    in per-rank terms of it."""
-    return all(
-        o is None or all(isinstance(o[k], Replicate) == isinstance(p, Replicate) for k, p in enumerate(req))
-        for o in outputs
+        inplace=False, extra=grad_facts(call, decision),
     )
 
 
 def _run(func: Any, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tuple[str, Any]], mesh: Any,
          entry: CachedCall) -> Any:
     decision = entry.decision
-    prep: _GradFacts = entry.extra
+    prep: GradFacts = entry.extra
     leaves = flat + [v for _, v in kw_items]
     locals_: list[Any] = []
     dt_locals: list[Any] = []
@@ -298,10 +161,7 @@ def _run(func: Any, flat: list[Any], shape: tuple[Any, ...], kw_items: list[tupl
             elif layout is not None and prep.transparent[i]:
                 passed_layout = layout
             elif layout is not None:
-                if layout.partial is None:
-                    layout.partial = dims
-                missing = tuple(k for k in dims if k not in layout.partial)
-                extra = tuple(k for k in layout.partial if k not in dims)
+                missing, extra = layout.adapt(dims)
                 if missing:
                     local = AllReduceGrad.apply(local, mesh, missing)
                 if extra:

@@ -19,11 +19,8 @@ from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
 
 from hp_dtensor.api import from_local_check
-from hp_dtensor.api.dtensor_methods import (
-    DTensorMethods,
-    distribute_with,
-    from_local_checked,
-)
+from hp_dtensor.api.dtensor_methods import distribute_with, from_local_checked
+from hp_dtensor.api.global_values import GlobalValueMethods
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.layout.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
 from hp_dtensor.placement_types import (
@@ -31,7 +28,8 @@ from hp_dtensor.placement_types import (
     Replicate,
 )
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.platform.mindspore.redistribute import GradLayout, KeepGradOnRoot, Redistribute
+from hp_dtensor.platform.mindspore.redistribute import KeepGradOnRoot, Redistribute
+from hp_dtensor.sharding.local_grads import GradLayout
 
 
 def _dispatch_not_installed(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -49,8 +47,9 @@ def install_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) 
     _dispatch = fn
 
 
-class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
-    """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim."""
+class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
+    """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim (``shape``, sizes and
+    Python values are the global tensor's: ``GlobalValueMethods``)."""
 
     _spec: DTensorSpec
     # Set on values made by ``redistribute``: how their gradient is collected (see GradLayout).
@@ -68,53 +67,6 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
     @classmethod
     def __fallback__(cls, func: Any, args: Any = (), kwargs: Any = None) -> Any:
         return _dispatch(func, tuple(args), dict(kwargs or {}))
-
-    # ----- what the global tensor looks like -----
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._spec.shape
-
-    # ----- Python values: the global answer, the same on every rank -----
-    def numel(self) -> int:
-        n = 1
-        for s in self._spec.shape:
-            n *= s
-        return n
-
-    nelement = numel
-
-    @property
-    def size(self) -> int:
-        return self.numel()
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel() * int(self.itemsize)
-
-    def __len__(self) -> int:
-        if not self._spec.shape:
-            raise TypeError("len() of a 0-d DTensor")
-        return self._spec.shape[0]
-
-    def item(self) -> Any:
-        """The one element of the global tensor, on every rank (a collective: call it on all ranks)."""
-        return self.full_tensor().item()
-
-    def tolist(self) -> Any:
-        """The global tensor as nested lists, on every rank (a collective)."""
-        return self.full_tensor().tolist()
-
-    def __float__(self) -> float:
-        return float(self.full_tensor())
-
-    def __int__(self) -> int:
-        return int(self.full_tensor())
-
-    def __index__(self) -> int:
-        return int(self.full_tensor())
-
-    def __bool__(self) -> bool:
-        return bool(self.full_tensor())
 
     # ----- a plain tensor on the left: ``plain + dtensor`` -----
     # MindSpore would ask the plain tensor's class for ``__fallback__`` (it has none) and fail
@@ -207,13 +159,8 @@ class DTensor(DTensorMethods, Tensor):  # type: ignore[misc]
         """``local`` (this value, as some consumer will use it) adapted to a consumer whose
         backward hands back a whole gradient (see ``GradLayout``)."""
         layout = self._grad_layout
-        if layout is None:
-            return local
-        if layout.partial is None:
-            layout.partial = ()
-        elif layout.partial:
-            return KeepGradOnRoot.apply(local, self._spec.mesh, layout.partial)
-        return local
+        on_root = () if layout is None else layout.whole_use()
+        return KeepGradOnRoot.apply(local, self._spec.mesh, on_root) if on_root else local
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
         check_partial_dtype(placements, str(self.dtype))

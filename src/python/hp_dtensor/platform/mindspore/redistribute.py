@@ -1,18 +1,12 @@
 """Run a planned redistribution on a local MindSpore tensor, and its autograd duals.
 
-Gradient convention (torch.distributed.tensor's, kept by both backends): the local gradient a rank
-holds for a DTensor is the gradient of the loss with respect to the *global* value, laid out as
-the value is, with every ``Partial`` mesh dim read as ``Replicate``.  So the gradient of
-``Shard(d)`` is ``Shard(d)``, of ``Replicate`` the full gradient on every rank, and of a
-``Partial`` term -- ``"sum"`` and ``"avg"`` alike -- the full gradient G on every rank.  For
-``Partial("avg")`` this is *not* the derivative with respect to the rank's own term (that would
-be G/n): torch keeps the replicated gradient in backward instead of re-partialing it, and so do
-we, so the same program gives the same numbers on both backends.  MindSpore's autograd runs on
-local tensors; ``Redistribute.backward`` runs the planner's plan between those gradient layouts,
-and ``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a
-rank-dependent output (Megatron's "f").  The one exception: a replicated value made by
-``redistribute`` may collect its gradient as per-rank terms (``GradLayout``), so that its own
-backward sums them once -- the torch backend gets the same effect from Partial gradients.
+The gradient convention they keep (torch's) and the bookkeeping of per-rank gradient terms are
+in ``hp_dtensor.sharding.local_grads``: MindSpore's autograd runs on local tensors;
+``Redistribute.backward`` runs the planner's plan between the gradient layouts, and
+``AllReduceGrad`` sums the per-rank contributions of a replicated input that fed a rank-dependent
+output (Megatron's "f").  The one exception: a replicated value made by ``redistribute`` may
+collect its gradient as per-rank terms (``GradLayout``), so that its own backward sums them once
+-- the torch backend gets the same effect from Partial gradients.
 """
 
 from __future__ import annotations
@@ -30,21 +24,6 @@ from hp_dtensor.redistribute.executor import grad_placements as grad_placements 
 
 if TYPE_CHECKING:
     from hp_dtensor.device_mesh import DeviceMesh
-
-
-class GradLayout:
-    """How the gradient of a replicated value produced by ``Redistribute`` comes back: whole on
-    every rank (``partial == ()``) or as per-rank terms to be summed over the mesh dims in
-    ``partial``.  The value's first consumer decides (``None`` until then); later consumers adapt
-    their own contribution to it, and ``Redistribute.backward`` reads it, so a value gathered once
-    and used by several column-parallel layers is reduced once (reduce_scatter back to its shards)
-    instead of once per layer.  Redistribute inside the function you differentiate: a redistributed
-    value passed to ``mindspore.grad`` as an input may get its gradient as those terms."""
-
-    __slots__ = ("partial",)
-
-    def __init__(self, partial: tuple[int, ...] | None = None) -> None:
-        self.partial = partial
 
 
 def redistribute_local(

@@ -7,29 +7,32 @@ An op without a rule replicates its inputs (correct, slower) and warns once nami
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from hp_dtensor.layout.shard_geometry import is_even
-from hp_dtensor.placement_types import Partial, Replicate
+from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.sharding.dispatch import (
     CachedCall,
     DispatchCore,
+    OneLevelSpec,
     call_key,
     fill_placeholders,
-    flatten_one_level,
+    flatten_call,
     make_cached_call,
     shared_mesh,
-    unflatten_one_level,
     wrap_leaves,
 )
+from hp_dtensor.sharding.foreach import list_length, local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.interceptors import INTERCEPTORS, intercepting
+from hp_dtensor.sharding.interceptors import OpInterceptor as OpInterceptor  # re-exported
+from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor  # re-exported
+from hp_dtensor.sharding.interceptors import push_interceptor as push_interceptor  # re-exported
 from hp_dtensor.sharding.op_call import OpTable, Rule, TensorInfo
 from hp_dtensor.sharding.strides import global_strides
 
@@ -43,27 +46,7 @@ _warned = _CORE.warned  # ops that fell back to replication (tests read it)
 _cache_get = _CORE.cache.get
 
 # Features built on the DTensor (loss parallel in hp_tp) take over some ops while a context of
-# theirs is active: the context pushes an interceptor (op, args, kwargs) -> call-or-None on this
-# thread and pops it on exit.  Outside such a context the check is one attribute read.
-OpInterceptor = Callable[[Any, tuple[Any, ...], dict[str, Any]], Callable[[], Any] | None]
-_interceptors = threading.local()
-
-
-def push_interceptor(fn: OpInterceptor) -> None:
-    stack = getattr(_interceptors, "stack", None)
-    _interceptors.stack = (stack or ()) + (fn,)
-
-
-def pop_interceptor(fn: OpInterceptor) -> None:
-    stack = _interceptors.stack
-    if not stack or stack[-1] is not fn:
-        raise RuntimeError("DTensor op interceptors were popped out of order")
-    _interceptors.stack = stack[:-1] or None
-
-
-def _intercepting() -> bool:
-    return getattr(_interceptors, "stack", None) is not None
-
+# theirs is active (``hp_dtensor.sharding.interceptors``).
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KEY = object()
 
@@ -98,38 +81,12 @@ def _is_inplace(func: Any) -> bool:
     return r
 
 
-class _SimpleSpec:
-    """Args and kwargs nested at most one level in lists/tuples (what aten ops take): flatten and
-    unflatten without pytree's generic (and slower) machinery.  ``shape`` holds, per argument,
-    None for a leaf or (type, length) for a list/tuple of leaves."""
-
-    __slots__ = ("arg_shape", "keys", "kw_shape", "key")
-
-    def __init__(self, arg_shape: tuple[Any, ...], keys: tuple[str, ...], kw_shape: tuple[Any, ...]) -> None:
-        self.arg_shape = arg_shape
-        self.keys = keys
-        self.kw_shape = kw_shape
-        # The structure goes into the decision cache key: sum(x, [0, 1]) and sum(x, 0, 1) flatten
-        # to the same leaves.
-        self.key = (arg_shape, keys, kw_shape)
-
-    def unflatten(self, flat: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, pos = unflatten_one_level(flat, 0, self.arg_shape)
-        kwargs, _ = unflatten_one_level(flat, pos, self.kw_shape)
-        return tuple(args), dict(zip(self.keys, kwargs))
-
-
 def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
-    flat: list[Any] = []
-    arg_shape = flatten_one_level(args, flat)
-    kw_shape = flatten_one_level(kwargs.values(), flat) if arg_shape is not None else None
-    if arg_shape is None or kw_shape is None:
-        return pytree.tree_flatten((args, kwargs))
-    return flat, _SimpleSpec(arg_shape, tuple(kwargs), kw_shape)
+    return flatten_call(args, kwargs) or pytree.tree_flatten((args, kwargs))
 
 
 def _unflatten(flat: list[Any], spec: Any) -> Any:
-    if isinstance(spec, _SimpleSpec):
+    if isinstance(spec, OneLevelSpec):
         return spec.unflatten(flat)
     return pytree.tree_unflatten(flat, spec)
 
@@ -179,7 +136,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     kind, pointwise, _, _, local_op = _op_facts.get(op) or _facts(func)
     if kind == _FOREACH:
         return _dispatch_foreach(func, args, kwargs)
-    stack = getattr(_interceptors, "stack", None)
+    stack = getattr(INTERCEPTORS, "stack", None)
     if stack is not None:
         for intercept in reversed(stack):
             kernel_call = intercept(func, args, kwargs)
@@ -346,8 +303,8 @@ def _output_shapes(func: Any, flat: list[Any], treespec: Any, mesh: Any) -> list
 
 def _n_arg_leaves(treespec: Any) -> int:
     """How many of the flat leaves are positional arguments (the rest are keyword arguments)."""
-    if isinstance(treespec, _SimpleSpec):
-        return sum(1 if s is None else s[1] for s in treespec.arg_shape)
+    if isinstance(treespec, OneLevelSpec):
+        return treespec.n_arg_leaves()
     return int(treespec.children_specs[0].num_leaves)
 
 
@@ -417,53 +374,20 @@ def _is_pointwise(func: Any) -> bool:
     return known
 
 
-def _foreach_locally(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> tuple[bool, Any]:
-    """A pointwise foreach op whose list entries at each position are DTensors of one layout with
-    no Partial (what an optimizer step passes) runs as one local foreach call on the shards: the
-    rule would keep every layout and move nothing.  (False, None) when it does not apply."""
-    if kwargs or not _is_pointwise(func) or _intercepting():
-        return False, None
-    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
-    specs: list[DTensorSpec] = []
-    for i in range(n):
-        spec = None
-        for lst in lists:
-            x = lst[i]
-            if isinstance(x, DTensor):
-                if spec is None:
-                    spec = x._spec
-                elif x._spec != spec:
-                    return False, None
-            elif not isinstance(x, (int, float)):  # a plain tensor in a list: let the rules decide
-                return False, None
-        if spec is None or any(isinstance(p, Partial) for p in spec.placements):
-            return False, None
-        specs.append(spec)
-    local_args = tuple(
-        [x._local_tensor if isinstance(x, DTensor) else x for x in a]
-        if isinstance(a, (list, tuple)) and len(a) == n else a
-        for a in args
-    )
-    if any(isinstance(a, DTensor) for a in local_args):  # a DTensor scalar operand: use the rules
-        return False, None
-    out = func(*local_args)
-    if _is_inplace(func) or out is None:
-        return True, None
-    return True, [DTensor(o, spec) for o, spec in zip(out, specs)]
-
-
 def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Foreach ops run as one local call when every entry keeps its layout, else element by
-    element through the same rules (one list entry at a time)."""
-    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
-    done, result = _foreach_locally(func, args, kwargs, n)
-    if done:
-        return result
-    results: list[Any] = []
-    for i in range(n):
-        sub = tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
-        results.append(_dispatch_one(func, sub, kwargs))
+    element through the same rules (``hp_dtensor.sharding.foreach``)."""
+    n = list_length(args)
+    local = None
+    if not kwargs and _is_pointwise(func) and not intercepting():
+        local = local_foreach_args(args, n, DTensor, lambda x: x._local_tensor)
+    if local is not None:
+        local_args, specs = local
+        out = func(*local_args)
+        if _is_inplace(func) or out is None:
+            return None
+        return [DTensor(o, spec) for o, spec in zip(out, specs)]
+    results = [_dispatch_one(func, sub, kwargs) for sub in one_entry_calls(args, n)]
     if _is_inplace(func) or results[0] is None:
         return None
     return [r[0] for r in results]
-

@@ -1,7 +1,8 @@
 """Which sharding rule each aten op uses (importing this module registers them).
 
-The rules themselves live in ``hp_dtensor.sharding`` and know nothing about torch; this table is
-the torch-specific half: op names, argument positions, and the local kernels some rules need.
+The rules themselves, and the readers of aten's argument positions, live in
+``hp_dtensor.sharding`` and know nothing about torch; this table is the torch-specific half: op
+names, and the local kernels some rules need.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from typing import Any
 
 import torch
 
-from hp_dtensor.layout.shard_geometry import local_offset, local_shape
-from hp_dtensor.placement_types import Partial, Replicate, Shard
+from hp_dtensor.layout.shard_geometry import local_offset
+from hp_dtensor.placement_types import Partial, Shard
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.dispatch import FOREACH_RULES, kernel, register
 from hp_dtensor.redistribute.executor import reduce_over
 from hp_dtensor.sharding.attention import sdpa_rule
-from hp_dtensor.sharding.casts import cast_rule
+from hp_dtensor.sharding.casts import dtype_kwarg_cast_rule
 from hp_dtensor.sharding.embedding import embedding_backward_rule, embedding_rule, vocab_start
 from hp_dtensor.sharding.factories import like_factory_rule, new_factory_rule
 from hp_dtensor.sharding.indexing import (
@@ -34,22 +35,34 @@ from hp_dtensor.sharding.loss import (
 )
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
-from hp_dtensor.sharding.pointwise import SCALAR_ONCE, pointwise_rule
-from hp_dtensor.sharding.reductions import gathered_reduction_rule, reduction_rule, vector_norm_rule
+from hp_dtensor.sharding.op_args import dims_arg, float_arg, int_arg, keepdim_arg
+from hp_dtensor.sharding.op_call import Decision, keeps_uneven
+from hp_dtensor.sharding.pointwise import SCALAR_ONCE, masked_fill_rule, pointwise_family
+from hp_dtensor.sharding.python_values import (
+    global_compare_rule,
+    python_value_rule,
+    same_layout_rule,
+)
+from hp_dtensor.sharding.reductions import (
+    foreach_norm_rule,
+    gathered_reduction_rule,
+    reduction_rule,
+    vector_norm_rule,
+)
 from hp_dtensor.sharding.triangular import triangular_rule
 from hp_dtensor.sharding.views import (
     cat_rule,
     expand_rule,
+    local_view_rule,
     permute_rule,
+    select_backward_rule,
     select_rule,
     slice_rule,
     split_rule,
-    squeeze_rule,
+    squeeze_dims_rule,
     stack_rule,
     transpose_rule,
     unsqueeze_rule,
-    view_rule,
 )
 
 aten = torch.ops.aten
@@ -96,15 +109,6 @@ _LIKE_FACTORIES = [
 ]
 
 
-def _pw(linearity: str | None, n_outputs: int = 1) -> Any:
-    def rule(call: OpCall) -> Decision:
-        inplace = call.name.split(".")[1].endswith("_")
-        return pointwise_rule(call, linearity=linearity, inplace=inplace, n_outputs=n_outputs, scalar_once=True)
-
-    rule.uneven_pointwise = n_outputs  # type: ignore[attr-defined]  # may keep uneven shards
-    return rule
-
-
 def _scalar_once_kernel(pos: int) -> Any:
     def run(mesh: Any, decision: Decision, func: Any, *args: Any, **kwargs: Any) -> Any:
         """An affine op (x + c) on a Partial("sum"): c is added on the first rank of the partial
@@ -126,44 +130,15 @@ for _pos in (0, 1, 2):
     kernel(f"{SCALAR_ONCE}{_pos}")(_scalar_once_kernel(_pos))
 
 
-@register(aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Tensor)
-def _masked_fill(call: OpCall) -> Decision:
-    """Filling with a constant is linear in a Partial input when the constant goes to one rank
-    only (zeros elsewhere; the ``scalar_once_2`` kernel); vector_norm's backward fills a
-    Partial(sum) in place this way."""
-    inplace = call.name.split(".")[1].endswith("_")
-    if isinstance(call.args[2], TensorInfo):  # a DTensor value: not linear in the filled input
-        return pointwise_rule(call, inplace=inplace)
-    dec = pointwise_rule(call, linearity="mul", inplace=inplace)
-    out = dec.outputs[0] or ()
-    if any(isinstance(p, Partial) and p.reduce_op == "sum" for p in out):
-        return Decision(dec.inputs, dec.outputs, kernel=f"{SCALAR_ONCE}2")
-    return dec
-
-
-# Pointwise on every input: an uneven self is filled shard by shard (an in-place fill could not
-# move its self to the even layout other rules see).
-_masked_fill.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
-
-
-@register(aten._to_copy.default)
-def _to_copy(call: OpCall) -> Decision:
-    """``.to(dtype)`` / ``.half()`` / ``.float()``: a Partial input stays Partial only through a
-    cast that loses nothing (``cast_rule``); before a narrowing one it is reduced in its own dtype."""
-    return cast_rule(call, call.kwargs.get("dtype"))
-
-
-_to_copy.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
-
-
-register(*_ADD_LIKE)(_pw("add"))
-register(*_MUL_LIKE)(_pw("mul"))
-register(*_DIV_LIKE)(_pw("div"))
-register(*_NONLINEAR)(_pw(None))
-
-
-register(*_LIKE_FACTORIES)(like_factory_rule)
-like_factory_rule.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
+register(aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor, aten.masked_fill_.Tensor)(
+    masked_fill_rule
+)
+register(aten._to_copy.default)(dtype_kwarg_cast_rule)
+register(*_ADD_LIKE)(pointwise_family("add"))
+register(*_MUL_LIKE)(pointwise_family("mul"))
+register(*_DIV_LIKE)(pointwise_family("div"))
+register(*_NONLINEAR)(pointwise_family(None))
+register(*_LIKE_FACTORIES)(keeps_uneven(like_factory_rule))
 register(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)(
     new_factory_rule
 )
@@ -179,15 +154,6 @@ register(aten.mv.default)(lambda c: einsum_rule(c, "mk,k->m"))
 register(aten.dot.default)(lambda c: einsum_rule(c, "k,k->"))
 
 # ---------------------------------------------------------------- views
-def _local_view(call: OpCall) -> Decision:
-    dec = view_rule(call)
-    if not any(isinstance(p, Shard) for pl in (*dec.inputs, *dec.outputs) for p in pl or ()):
-        # Nothing sharded: every shard is the whole tensor laid out as the wrapper says, so the
-        # op runs on it exactly as asked (and the steady state needs no rewritten arguments).
-        return Decision(dec.inputs, dec.outputs)
-    return Decision(dec.inputs, dec.outputs, args=dec.args, kernel="view")
-
-
 @kernel("view")
 def _view(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, size: Any) -> torch.Tensor:
     """The local view, or a copy when the shard's layout cannot take it (a shard of one row is
@@ -198,22 +164,11 @@ def _view(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, size: Any) 
         return aten._unsafe_view(x.contiguous(), size)
 
 
-register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(_local_view)
+register(aten.view.default, aten._unsafe_view.default, aten.reshape.default)(local_view_rule)
 register(aten.t.default, aten.transpose.int)(transpose_rule)
 register(aten.permute.default)(lambda c: permute_rule(c, c.args[1]))
 register(aten.unsqueeze.default)(unsqueeze_rule)
-@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
-def _squeeze(call: OpCall) -> Decision:
-    """Squeeze exactly the dims of global size 1: a shard may have size 1 where the tensor does not."""
-    dec = squeeze_rule(call)
-    t: TensorInfo = call.args[0]
-    if len(call.args) > 1:
-        d = call.args[1]
-        asked = [d] if isinstance(d, int) else list(d)
-        dims = [x % max(t.ndim, 1) for x in asked if t.ndim and t.shape[x % t.ndim] == 1]
-    else:
-        dims = [i for i, s in enumerate(t.shape) if s == 1]
-    return Decision(dec.inputs, dec.outputs, args=(t, dims), kernel="squeeze_dims")
+register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)(squeeze_dims_rule)
 
 
 @kernel("squeeze_dims")
@@ -221,17 +176,7 @@ def _squeeze_dims(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, dim
     return aten.squeeze.dims(x, dims) if dims else aten.alias(x)
 
 
-@register(aten.select_backward.default)
-def _select_backward(call: OpCall) -> Decision:
-    """``select_backward(grad, input_sizes, dim, index)``: zeros with ``grad`` written at the index;
-    the grad's shards move past the restored dim, the local call gets local sizes."""
-    g: TensorInfo = call.args[0]
-    sizes = list(call.args[1])
-    d = call.args[2] % len(sizes)
-    out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= d else p for p in g.placements)
-    args = list(call.args)
-    args[1] = list(local_shape(tuple(sizes), call.mesh_shape, out, call.coordinate))
-    return Decision((g.placements,), (out,), args=tuple(args))
+register(aten.select_backward.default)(select_backward_rule)
 register(aten.expand.default)(expand_rule)
 register(aten.select.int)(select_rule)
 register(aten.cat.default)(cat_rule)
@@ -256,35 +201,21 @@ register(aten.stack.default)(
 
 
 # ---------------------------------------------------------------- reductions
-def _dims_arg(call: OpCall, pos: int) -> list[int] | None:
-    if len(call.args) > pos:
-        v = call.args[pos]
-    else:
-        v = call.kwargs.get("dim")
-    if v is None:
-        return None
-    return [v] if isinstance(v, int) else list(v)
-
-
-def _keepdim(call: OpCall, pos: int) -> bool:
-    return bool(call.args[pos]) if len(call.args) > pos else bool(call.kwargs.get("keepdim", False))
-
-
 register(aten.sum.default)(lambda c: reduction_rule(c, "sum", None, False))
-register(aten.sum.dim_IntList)(lambda c: reduction_rule(c, "sum", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.sum.dim_IntList)(lambda c: reduction_rule(c, "sum", dims_arg(c, 1), keepdim_arg(c, 2)))
 register(aten.mean.default)(lambda c: reduction_rule(c, "mean", None, False))
-register(aten.mean.dim)(lambda c: reduction_rule(c, "mean", _dims_arg(c, 1), _keepdim(c, 2)))
-register(aten.amax.default)(lambda c: reduction_rule(c, "amax", _dims_arg(c, 1), _keepdim(c, 2)))
-register(aten.amin.default)(lambda c: reduction_rule(c, "amin", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.mean.dim)(lambda c: reduction_rule(c, "mean", dims_arg(c, 1), keepdim_arg(c, 2)))
+register(aten.amax.default)(lambda c: reduction_rule(c, "amax", dims_arg(c, 1), keepdim_arg(c, 2)))
+register(aten.amin.default)(lambda c: reduction_rule(c, "amin", dims_arg(c, 1), keepdim_arg(c, 2)))
 register(aten.max.default)(lambda c: reduction_rule(c, "amax", None, False))
 register(aten.min.default)(lambda c: reduction_rule(c, "amin", None, False))
-register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
-register(aten.min.dim)(lambda c: reduction_rule(c, "min_with_indices", _dims_arg(c, 1), _keepdim(c, 2), 2))
+register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", dims_arg(c, 1), keepdim_arg(c, 2), 2))
+register(aten.min.dim)(lambda c: reduction_rule(c, "min_with_indices", dims_arg(c, 1), keepdim_arg(c, 2), 2))
 register(aten.any.default)(lambda c: reduction_rule(c, "any", None, False))
-register(aten.any.dim, aten.any.dims)(lambda c: reduction_rule(c, "any", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.any.dim, aten.any.dims)(lambda c: reduction_rule(c, "any", dims_arg(c, 1), keepdim_arg(c, 2)))
 register(aten.all.default)(lambda c: reduction_rule(c, "all", None, False))
-register(aten.all.dim, aten.all.dims)(lambda c: reduction_rule(c, "all", _dims_arg(c, 1), _keepdim(c, 2)))
-register(aten.argmax.default)(lambda c: reduction_rule(c, "argmax", _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.all.dim, aten.all.dims)(lambda c: reduction_rule(c, "all", dims_arg(c, 1), keepdim_arg(c, 2)))
+register(aten.argmax.default)(lambda c: reduction_rule(c, "argmax", dims_arg(c, 1), keepdim_arg(c, 2)))
 
 # ---------------------------------------------------------------- norms and softmax
 register(aten.native_layer_norm.default)(lambda c: layer_norm_rule(c, len(c.args[1])))
@@ -320,26 +251,17 @@ def _masked_embedding(mesh: Any, decision: Decision, func: Any, weight: torch.Te
 
 
 # ---------------------------------------------------------------- loss
-def _nll_reduction(call: OpCall, pos: int) -> int:
-    return int(call.args[pos]) if len(call.args) > pos else int(call.kwargs.get("reduction", 1))
-
-
-register(aten.nll_loss_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
-register(aten.nll_loss_backward.default)(lambda c: nll_loss_backward_rule(c, _nll_reduction(c, 4)))
-register(aten.nll_loss2d_forward.default)(lambda c: nll_loss_rule(c, _nll_reduction(c, 3)))
+register(aten.nll_loss_forward.default)(lambda c: nll_loss_rule(c, int_arg(c, 3, "reduction", 1)))
+register(aten.nll_loss_backward.default)(lambda c: nll_loss_backward_rule(c, int_arg(c, 4, "reduction", 1)))
+register(aten.nll_loss2d_forward.default)(lambda c: nll_loss_rule(c, int_arg(c, 3, "reduction", 1)))
 
 
 # ---------------------------------------------------------------- along one dim, indexing
-def _int_arg(call: OpCall, pos: int, name: str, default: int) -> int:
-    v = call.args[pos] if len(call.args) > pos else call.kwargs.get(name, default)
-    return int(v)
-
-
 register(aten.cumsum.default, aten.logcumsumexp.default)(
-    lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", 0)], linear=c.name.startswith("aten.cumsum"))
+    lambda c: along_dims_rule(c, [int_arg(c, 1, "dim", 0)], linear=c.name.startswith("aten.cumsum"))
 )
 register(aten.cumprod.default, aten.cummax.default, aten.cummin.default)(
-    lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", 0)], linear=False,
+    lambda c: along_dims_rule(c, [int_arg(c, 1, "dim", 0)], linear=False,
                               n_outputs=1 if c.name.startswith("aten.cumprod") else 2)
 )
 register(aten.flip.default)(lambda c: along_dims_rule(c, list(c.args[1]), linear=True))
@@ -347,9 +269,9 @@ register(aten.roll.default)(
     lambda c: along_dims_rule(c, list(c.args[2]) if len(c.args) > 2 and len(c.args[2]) else
                               list(range(c.args[0].ndim)), linear=True)
 )
-register(aten.sort.default)(lambda c: along_dims_rule(c, [_int_arg(c, 1, "dim", -1)], linear=False, n_outputs=2))
-register(aten.sort.stable)(lambda c: along_dims_rule(c, [_int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
-register(aten.topk.default)(lambda c: along_dims_rule(c, [_int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+register(aten.sort.default)(lambda c: along_dims_rule(c, [int_arg(c, 1, "dim", -1)], linear=False, n_outputs=2))
+register(aten.sort.stable)(lambda c: along_dims_rule(c, [int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+register(aten.topk.default)(lambda c: along_dims_rule(c, [int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
 register(aten.slice_backward.default)(slice_backward_rule)
 register(aten.index_select.default)(index_select_rule)
 register(aten.gather.default)(gather_rule)
@@ -379,25 +301,14 @@ def _triangular(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, diago
 
 
 # ---------------------------------------------------------------- var, norms, mse
-def _var_dims(call: OpCall) -> list[int] | None:
-    return _dims_arg(call, 1)
-
-
-def _var_keepdim(call: OpCall) -> bool:
-    return bool(call.kwargs.get("keepdim", False))
-
-
+# var/std take keepdim by keyword only.
 register(aten.var.correction, aten.std.correction)(
-    lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c))
+    lambda c: gathered_reduction_rule(c, dims_arg(c, 1), bool(c.kwargs.get("keepdim", False)))
 )
-register(aten.logsumexp.default)(lambda c: gathered_reduction_rule(c, _dims_arg(c, 1), _keepdim(c, 2)))
+register(aten.logsumexp.default)(lambda c: gathered_reduction_rule(c, dims_arg(c, 1), keepdim_arg(c, 2)))
 register(aten.var_mean.correction, aten.std_mean.correction)(
-    lambda c: gathered_reduction_rule(c, _var_dims(c), _var_keepdim(c), 2)
+    lambda c: gathered_reduction_rule(c, dims_arg(c, 1), bool(c.kwargs.get("keepdim", False)), 2)
 )
-
-
-def _norm_ord(call: OpCall) -> float:
-    return float(call.args[1]) if len(call.args) > 1 else float(call.kwargs.get("ord", 2))
 
 
 @kernel("vector_norm")
@@ -422,7 +333,7 @@ def _vector_norm(mesh: Any, decision: Decision, func: Any, x: torch.Tensor, ord:
 
 
 register(aten.linalg_vector_norm.default)(
-    lambda c: vector_norm_rule(c, _norm_ord(c), _dims_arg(c, 2), _keepdim(c, 3))
+    lambda c: vector_norm_rule(c, float_arg(c, 1, "ord", 2), dims_arg(c, 2), keepdim_arg(c, 3))
 )
 
 
@@ -440,29 +351,14 @@ def _mse_loss_backward(mesh: Any, decision: Decision, func: Any, g: torch.Tensor
     return out / numel if reduction == 1 else out
 
 
-register(aten.mse_loss.default)(lambda c: mse_loss_rule(c, _int_arg(c, 2, "reduction", 1)))
-register(aten.mse_loss_backward.default)(lambda c: mse_loss_backward_rule(c, _int_arg(c, 3, "reduction", 1)))
+register(aten.mse_loss.default)(lambda c: mse_loss_rule(c, int_arg(c, 2, "reduction", 1)))
+register(aten.mse_loss_backward.default)(lambda c: mse_loss_backward_rule(c, int_arg(c, 3, "reduction", 1)))
 
 
-# ---------------------------------------------------------------- misc
-@register(aten.is_same_size.default)
-def _compare(call: OpCall) -> Decision:
-    infos = call.tensors()
-    return Decision(tuple(infos[0].placements for _ in infos), ())
-
-
-# Ops whose result is a Python value give the global answer on every rank (an ``if`` on it must send
-# every rank down the same path): compare shards laid out alike, then agree with an all_reduce(min).
-@register(aten.equal.default, aten.allclose.default)
-def _global_compare(call: OpCall) -> Decision:
-    a, b = call.tensors()[:2]
-    rep = tuple(Replicate() for _ in a.placements)
-    if a.shape != b.shape:
-        if call.name.startswith("aten.equal"):
-            return Decision((None, None), (), kernel="constant_false")
-        return Decision((rep, rep), ())  # allclose broadcasts: compare whole tensors
-    pl = tuple(Replicate() if isinstance(p, Partial) else p for p in a.placements)
-    return Decision((pl, pl), (), kernel="all_ranks_agree")
+# ---------------------------------------------------------------- Python values
+register(aten.is_same_size.default)(same_layout_rule)
+register(aten.equal.default, aten.allclose.default)(global_compare_rule)
+register(aten._local_scalar_dense.default, aten.is_nonzero.default)(python_value_rule)
 
 
 @kernel("all_ranks_agree")
@@ -476,32 +372,9 @@ def _constant_false(mesh: Any, decision: Decision, func: Any, *args: Any, **kwar
     return False
 
 
-@register(aten._local_scalar_dense.default, aten.is_nonzero.default)
-def _python_value(call: OpCall) -> Decision:
-    """``item()``/``bool()``: the one element, reduced and replicated, read on every rank."""
-    t: TensorInfo = call.args[0]
-    return Decision((tuple(Replicate() for _ in t.placements),), ())
-
-
-def _foreach_rule(linearity: str | None) -> Any:
-    def rule(call: OpCall) -> Decision:
-        inplace = call.name.split(".")[1].endswith("_")
-        return pointwise_rule(call, linearity=linearity, inplace=inplace)
-
-    rule.uneven_pointwise = 1  # type: ignore[attr-defined]  # may keep uneven shards
-    return rule
-
-
-def _foreach_norm(call: OpCall) -> Decision:
-    """``_foreach_norm`` (clip_grad_norm_ with foreach=True): each tensor gathered, so the local
-    norm is the global one (correct; grads are small next to the step)."""
-    infos = call.tensors()
-    return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
-                    (tuple(Replicate() for _ in infos[0].placements),))
-
-
-FOREACH_RULES["norm"] = _foreach_norm
+# ---------------------------------------------------------------- foreach, by base op name
+FOREACH_RULES["norm"] = foreach_norm_rule
 
 for _base, _lin in {"add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add", "zero": "mul",
                    "neg": "mul", "*": None}.items():
-    FOREACH_RULES[_base] = _foreach_rule(_lin)
+    FOREACH_RULES[_base] = pointwise_family(_lin, scalar_once=False)

@@ -4,7 +4,9 @@ A backend (``hp_dtensor.platform.torch``, ``hp_dtensor.platform.mindspore``) is 
 public names satisfy ``Backend``; each backend's ``__init__`` asserts so for mypy, and
 ``platform.current()`` is typed by it, so a name missing from one backend or a signature that drifts
 fails ``pants check`` instead of a run on the other framework.  Tensors, modules and groups are the
-framework's own objects, so they are ``Any`` here; the shapes of the calls are what is fixed.
+framework's own objects, so they are ``Any`` here; the shapes of the calls are what is fixed.  The
+contract is neutral code, defined by the package that uses it (as ``hp_fsdp.primitives`` is), so
+the platform folders hold only what implements it.
 
 Features a backend may lack (the RNG primitives ``RNG``) are not part of the contract: they are
 reached through ``platform.backend_primitives``, typed by the feature's own Protocol, and fail with

@@ -1,0 +1,57 @@
+"""Foreach ops (``_foreach_add_``, what an optimizer step issues) on lists of DTensors.
+
+When every list entry at each position is a DTensor of one layout with no ``Partial`` (what an
+optimizer step passes) and the op is pointwise, the rule would keep every layout and move
+nothing: the op runs as one local foreach call on the shards.  Otherwise it runs element by
+element through the same rules, one list entry at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hp_dtensor.placement_types import Partial
+
+
+def list_length(args: tuple[Any, ...]) -> int:
+    """The length of the op's tensor lists (the first list or tuple argument)."""
+    return next(len(a) for a in args if isinstance(a, (list, tuple)))
+
+
+def local_foreach_args(
+    args: tuple[Any, ...], n: int, dtensor_type: Any, local_of: Callable[[Any], Any]
+) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """``(local args, the spec of each list position)`` when the call may run as one local foreach
+    call, else None: the entries at each position are DTensors of one spec without ``Partial``, or
+    numbers (a plain tensor in a list, or a DTensor outside a list, goes through the rules)."""
+    lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
+    specs: list[Any] = []
+    for i in range(n):
+        spec = None
+        for lst in lists:
+            x = lst[i]
+            if isinstance(x, dtensor_type):
+                if spec is None:
+                    spec = x._spec
+                elif x._spec != spec:
+                    return None
+            elif not isinstance(x, (int, float)):
+                return None
+        if spec is None or any(isinstance(p, Partial) for p in spec.placements):
+            return None
+        specs.append(spec)
+    local_args = tuple(
+        [local_of(x) if isinstance(x, dtensor_type) else x for x in a]
+        if isinstance(a, (list, tuple)) and len(a) == n else a
+        for a in args
+    )
+    if any(isinstance(a, dtensor_type) for a in local_args):  # a DTensor scalar operand
+        return None
+    return local_args, specs
+
+
+def one_entry_calls(args: tuple[Any, ...], n: int) -> Iterator[tuple[Any, ...]]:
+    """The arguments of the element-by-element calls: entry ``i`` of every list, as a list of one."""
+    for i in range(n):
+        yield tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
