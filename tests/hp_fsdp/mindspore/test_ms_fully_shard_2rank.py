@@ -1,0 +1,79 @@
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,var-annotated,assignment,call-arg"
+"""fully_shard on 2 MindSpore CPU ranks: nested FSDP (three blocks and the root) trains 3 AdamW
+steps equal to one process, with one all_gather and one reduce_scatter per group per step; each
+rank holds its half of parameters, gradients and optimizer state; gradient accumulation with sync
+off equals one process; bad input fails on every rank.  The ranks start once for the module."""
+
+from __future__ import annotations
+
+from ms_fsdp_cases import GROUPS, run_case
+
+from hp_dtensor.testing import rank_pool_fixture
+
+pool = rank_pool_fixture(2, timeout=240, env={"HYPER_PARALLEL_PLATFORM": "mindspore"})
+
+
+def check_numbers(results) -> None:
+    """Every rank's gradients and parameters within fp32 tolerance (rtol 1.5e-4, atol 1e-5) of one
+    process, and the mean of the ranks' losses equal to the one-process loss."""
+    for r in results:
+        assert r["names_match"]
+        assert r["worst"]["grad"] <= 1.0, r["worst"]
+        assert r["worst"]["param"] <= 1.0, r["worst"]
+        assert r["leftover"] == [], r["leftover"]
+    n = len(results)
+    for step, ref in enumerate(results[0]["ref_losses"]):
+        ours = sum(r["losses"][step] for r in results) / n
+        assert abs(ours - ref) <= 1e-6 + 1.5e-4 * abs(ref), (step, ours, ref)
+
+
+def test_fsdp_matches_one_process_with_exact_collectives(pool) -> None:
+    results = pool.run(run_case, {"mesh": (2,)})
+    check_numbers(results)
+    for r in results:
+        # MindSpore: one all_gather per group per step (backward reuses the values the forward's
+        # graph holds; torch gathers again for every group that resharded), one reduce_scatter per group.
+        assert r["comms"] == [{"all_gather": GROUPS, "reduce_scatter": GROUPS}] * 3, r["comms"]
+    # Each rank holds its rows: 2 ranks hold the whole model between them, neither holds it all.
+    assert sum(r["param_bytes"] for r in results) == results[0]["full_bytes"]
+    assert all(r["param_bytes"] < 0.6 * r["full_bytes"] for r in results), [r["param_bytes"] for r in results]
+    assert all(r["grad_bytes"] == r["param_bytes"] and r["opt_bytes"] == 2 * r["param_bytes"] for r in results)
+
+
+def test_gradient_accumulation_without_sync(pool) -> None:
+    """Two micro-batches per step, sync off for the first: one reduce_scatter per group per step."""
+    results = pool.run(run_case, {"mesh": (2,), "accum": 2})
+    check_numbers(results)
+    for r in results:
+        assert r["comms"] == [{"all_gather": 2 * GROUPS, "reduce_scatter": GROUPS}] * 3, r["comms"]
+
+
+def _bad_inputs(rank: int, world: int) -> list[str]:
+    from ms_fsdp_cases import build
+
+    from hp_dtensor import init_device_mesh
+    from hp_fsdp import clip_grad_norm_, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    errors = []
+    net = build(blocks=1)
+    for call in (
+        lambda: fully_shard(net, mesh=mesh, reshard_after_forward=3),
+        lambda: fully_shard(net, mesh="dp"),
+        lambda: clip_grad_norm_(net.trainable_params(), 1.0),
+    ):
+        try:
+            call()
+            errors.append("no error")
+        except (ValueError, TypeError, NotImplementedError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_bad_input_fails_on_every_rank(pool) -> None:
+    results = pool.run(_bad_inputs)
+    assert results[0] == results[1], results
+    rc, mesh, clip = results[0]
+    assert rc.startswith("ValueError: reshard_after_forward=3"), rc
+    assert mesh.startswith("TypeError: fully_shard: mesh must be a DeviceMesh"), mesh
+    assert clip.startswith("NotImplementedError: clip_grad_norm_"), clip
