@@ -48,6 +48,20 @@ def test_gradient_accumulation_without_sync(pool) -> None:
         assert r["comms"] == [{"all_gather": 2 * GROUPS, "reduce_scatter": GROUPS}] * 3, r["comms"]
 
 
+def test_mixed_precision_float16(pool) -> None:
+    """MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32): the all_gathers move half
+    the bytes of float32, the sharded parameters stay float32 and the run tracks the float32 one
+    process within float16's precision (MindSpore's CPU MatMul has no bfloat16 kernel)."""
+    fp32 = pool.run(run_case, {"mesh": (2,), "steps": 1})
+    half = pool.run(run_case, {"mesh": (2,), "steps": 1, "mp": "fp16", "tol": (2e-2, 2e-3)})
+    for a, b in zip(fp32, half):
+        assert b["dtypes"] == ["Float32"], b["dtypes"]
+        assert b["comm_bytes"][0]["all_gather"] * 2 == a["comm_bytes"][0]["all_gather"], (a["comm_bytes"], b["comm_bytes"])
+        assert b["comm_bytes"][0]["reduce_scatter"] == a["comm_bytes"][0]["reduce_scatter"]
+        assert b["worst"]["grad"] <= 1.0, b["worst"]
+    assert abs(sum(r["losses"][0] for r in half) / 2 - half[0]["ref_losses"][0]) <= 2e-3 * half[0]["ref_losses"][0]
+
+
 def _bad_inputs(rank: int, world: int) -> list[str]:
     from ms_fsdp_cases import build
 
