@@ -42,7 +42,6 @@ from hp_dtensor.layout.dtensor_spec import DTensorSpec
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dtensor import DTensor
 
-
 _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 
