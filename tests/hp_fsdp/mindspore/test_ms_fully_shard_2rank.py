@@ -6,25 +6,11 @@ off equals one process; bad input fails on every rank.  The ranks start once for
 
 from __future__ import annotations
 
-from ms_fsdp_cases import GROUPS, run_case
+from ms_fsdp_cases import GROUPS, check_numbers, run_case
 
 from hp_dtensor.testing import rank_pool_fixture
 
 pool = rank_pool_fixture(2, timeout=240, env={"HYPER_PARALLEL_PLATFORM": "mindspore"})
-
-
-def check_numbers(results) -> None:
-    """Every rank's gradients and parameters within fp32 tolerance (rtol 1.5e-4, atol 1e-5) of one
-    process, and the mean of the ranks' losses equal to the one-process loss."""
-    for r in results:
-        assert r["names_match"]
-        assert r["worst"]["grad"] <= 1.0, r["worst"]
-        assert r["worst"]["param"] <= 1.0, r["worst"]
-        assert r["leftover"] == [], r["leftover"]
-    n = len(results)
-    for step, ref in enumerate(results[0]["ref_losses"]):
-        ours = sum(r["losses"][step] for r in results) / n
-        assert abs(ours - ref) <= 1e-6 + 1.5e-4 * abs(ref), (step, ours, ref)
 
 
 def test_fsdp_matches_one_process_with_exact_collectives(pool) -> None:

@@ -6,8 +6,7 @@ gradient and optimizer-state bytes.  The ranks start once for the module."""
 
 from __future__ import annotations
 
-from ms_fsdp_cases import GROUPS, run_case
-from test_ms_fully_shard_2rank import check_numbers
+from ms_fsdp_cases import GROUPS, check_numbers, run_case
 
 from hp_dtensor.testing import rank_pool_fixture
 
