@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,var-annotated,assignment,call-arg,misc"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,var-annotated,assignment,call-arg,misc,union-attr"
 """A small transformer-like MindSpore Cell and one training routine for the fully_shard tests.
 
 ``run_case(rank, world, cfg)`` builds the same model (seeded weights, float32) on every rank and a
@@ -168,7 +168,9 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     mesh_shape = tuple(cfg["mesh"])
     # The mesh first: MindSpore refuses to join a job once a kernel has run in the process.
-    mesh = init_device_mesh("cpu", mesh_shape)
+    tp = bool(cfg.get("tp"))
+    full_mesh = None
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp") if tp else None)
     steps, accum = cfg.get("steps", 3), cfg.get("accum", 1)
     x, y = data()
     ref = build()
@@ -176,6 +178,12 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     net = build()
     full_bytes = sum(int(np.prod(p.shape)) * 4 for p in net.trainable_params())
+    if tp:  # TP inside each block (up colwise, down rowwise), then FSDP over dp on top
+        from hp_tp import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for b in net.blocks:
+            parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        full_mesh, mesh = mesh, mesh["dp"]
     kw = {}
     if cfg.get("mp") == "fp16":  # gather and compute in float16, reduce in float32 (fp32 masters)
         import mindspore as ms
@@ -191,8 +199,18 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                                                output_dtype=ms.float32)
     fully_shard(net, mesh=mesh, **kw)
     dp_rank = mesh.get_coordinate()
-    shard_n, shard_r = mesh_shape[-1], dp_rank[-1]
-    rows = np.array_split(np.arange(BATCH), world)[rank]  # each rank's slice of the global batch
+    shard_n, shard_r = mesh.shape[-1], dp_rank[-1]
+    dp_index = dp_rank[0] * mesh.shape[-1] + dp_rank[-1] if mesh.ndim == 2 else dp_rank[0]
+    # each data-parallel rank's slice of the global batch (TP ranks of one dp rank share it)
+    rows = np.array_split(np.arange(BATCH), mesh.size())[dp_index]
+    tp_r = full_mesh.get_local_rank(1) if tp else 0
+
+    def expected(name: str, full: np.ndarray) -> np.ndarray:
+        if tp and ".up." in name:
+            full = np.split(full, 2, axis=0)[tp_r]
+        elif tp and name.endswith("down.weight"):
+            full = np.split(full, 2, axis=1)[tp_r]
+        return _rows(full, shard_n, shard_r)
 
     comms: list[dict[str, int]] = []
     comm_bytes: list[dict[str, int]] = []
@@ -212,8 +230,8 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     worst = {"grad": 0.0, "param": 0.0}
     tol = cfg.get("tol", (RTOL, ATOL))
     for name, g in grads.items():
-        worst["grad"] = max(worst["grad"], _worst(g, _rows(ref_grads[name], shard_n, shard_r), *tol))
-        worst["param"] = max(worst["param"], _worst(params[name], _rows(ref_params[name], shard_n, shard_r), *tol))
+        worst["grad"] = max(worst["grad"], _worst(g, expected(name, ref_grads[name]), *tol))
+        worst["param"] = max(worst["param"], _worst(params[name], expected(name, ref_params[name]), *tol))
     leftover = [name for _p, cell in net.cells_and_names() for name in ("weight", "bias", "gamma", "beta")
                 if name in cell.__dict__]  # gathered values still shown to a cell after the step
     return {

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,var-annotated,assignment,call-arg"
 """fully_shard on 4 MindSpore CPU ranks: FSDP over 4 (uneven: out.weight's 3 rows give the last
-rank none) and HSDP 2x2 (shard inside pairs, replicate across them) each train 3 AdamW steps
+rank none), HSDP 2x2 (shard inside pairs, replicate across them) and TP + FSDP 2x2 each train 3 AdamW steps
 equal to one process, with exact collective counts and each rank's share of parameter,
 gradient and optimizer-state bytes.  The ranks start once for the module."""
 
@@ -38,3 +38,20 @@ def test_hsdp_2x2(pool) -> None:
     assert results[0]["param_bytes"] + results[1]["param_bytes"] == full
     assert results[0]["param_bytes"] == results[2]["param_bytes"]
     print("hsdp2x2 param bytes per rank of", full, ":", [r["param_bytes"] for r in results])
+
+
+def test_tp_then_fsdp_2x2(pool) -> None:
+    """(dp=2, tp=2): TP inside each block (up colwise, down rowwise), fully_shard over dp on top.
+    Every rank's TP-then-dp shards equal one process's rows; FSDP's own collectives are one
+    all_gather and one reduce_scatter per group per step on the dp group."""
+    results = pool.run(run_case, {"mesh": (2, 2), "tp": True})
+    for r in results:
+        assert r["names_match"]
+        assert r["worst"]["grad"] <= 1.0 and r["worst"]["param"] <= 1.0, r["worst"]
+    ours = [(results[0]["losses"][k] + results[2]["losses"][k]) / 2 for k in range(3)]
+    for a, b in zip(ours, results[0]["ref_losses"]):
+        assert abs(a - b) <= 1e-6 + 1.5e-4 * abs(b), (ours, results[0]["ref_losses"])
+    for r in results:
+        for c in r["comms"]:
+            assert c["all_gather"] == GROUPS and c["reduce_scatter"] == GROUPS, r["comms"]
+    print("tp+fsdp comms per step:", results[0]["comms"][0], "param bytes:", [r["param_bytes"] for r in results])

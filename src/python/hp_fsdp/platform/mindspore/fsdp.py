@@ -24,8 +24,10 @@ How it differs from torch, and why:
   all_gather (one all_gather per group per step, not torch's two for groups that reshard after
   forward), and between steps each rank holds only its shards.  Between forward and backward the
   unsharded parameters are held as on one process: ``reshard_after_forward`` saves no memory here.
+* TP parameters: the gathered value of a TP shard is wrapped as a DTensor with its TP placements,
+  so hp_tp's styles run on it; its gradient reaches the gather as the local one.
 * Not built: ``CPUOffloadPolicy`` off a CPU job (MindSpore CPU ranks only here), clipping
-  (``grad_norm.py``); TP parameters are gathered as DTensors but untested on MindSpore.
+  (``grad_norm.py``).
 """
 
 from __future__ import annotations
