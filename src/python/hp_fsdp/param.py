@@ -61,6 +61,7 @@ def make_fsdp_param(
     global_shape = prims.shape_of(param)
     requires_grad = bool(param.requires_grad)
     sharded = prims.new_param(prims.wrap(shard, mesh, placements, global_shape), requires_grad)
+    prims.name_param(sharded, param)  # MindSpore keys optimizers and checkpoints by name
     return FSDPParam(
         fqn=fqn, owners=owners, sharded_param=sharded, requires_grad=requires_grad,
         orig_dtype=prims.dtype_of(param), global_shape=global_shape, unsharded_shape=unsharded_shape,

@@ -69,6 +69,8 @@ class FSDPParamGroup:
         self._pending_reduce: Pending | None = None
         # Groups whose reduce_scatter is in flight, shared by every group under one root.
         self.reduce_queue: list[FSDPParamGroup] = []
+        # Autograd-gather backends, gradient sync off: the unsharded gradients summed so far.
+        self._unsynced: list[Tensor] | None = None
 
 
     # ----- unshard / reshard -----
@@ -101,6 +103,10 @@ class FSDPParamGroup:
         if self.post_forward_group is not None and self.reshard_after_forward and not self.in_backward:
             # gathered for forward: keep this rank's part for the reshard after it
             self._post_forward_part = self._part_of(gathered, self.post_forward_group)
+        if self.prims.autograd_gather:
+            self._bind_gathered(gathered)
+            self.state = GroupState.UNSHARDED
+            return
         for p in self.params:
             self._alloc_unsharded(p)
         self.prims.gather_copy_out(
@@ -125,6 +131,11 @@ class FSDPParamGroup:
     def post_forward(self) -> None:
         """After the module's forward: reshard when ``reshard_after_forward`` says so -- to this
         rank's part of a smaller group when it is an int."""
+        if self.prims.autograd_gather:
+            # The gathered values belong to this forward's graph (which keeps them alive until its
+            # backward): the next forward gathers afresh, whatever reshard_after_forward says.
+            self.reshard()
+            return
         if not self.reshard_after_forward:
             return
         pf, part = self.post_forward_group, self._post_forward_part
@@ -144,6 +155,12 @@ class FSDPParamGroup:
         return self.prims.rows(gathered, pf.index * length, length)
 
     def _free_unsharded(self) -> None:
+        if self.prims.autograd_gather:  # the modules' own (sharded) parameters show through again
+            for p in self.params:
+                for owner, name in p.owners:
+                    self.prims.bind_value(owner, name, None)
+                p.unsharded_param = None
+            return
         for p in self.params:
             self._swap(p, p.sharded_param)
             self.prims.free_storage(p.unsharded_local)
@@ -167,6 +184,54 @@ class FSDPParamGroup:
                 self.param_dtype = self.params[0].orig_dtype
             if self.mp.reduce_dtype is None:
                 self.reduce_dtype = self.param_dtype
+
+    def _bind_gathered(self, gathered: Tensor) -> None:
+        """Autograd-gather backends: make this forward's unsharded values (outputs of one
+        differentiable gather whose backward is ``_reduce_in_backward``) and show them to the
+        modules in place of their sharded parameters."""
+        prims, n = self.prims, self.info.shard_size
+        chunk_rows = [p.chunk_rows for p in self.params]
+        shapes = [p.unsharded_shape for p in self.params]
+        values = prims.gather_in_autograd(
+            [p.sharded_param for p in self.params], gathered, n, chunk_rows, shapes, self._reduce_in_backward,
+        )
+        for p, value in zip(self.params, values):
+            if p.tp_mesh is not None:
+                value = prims.wrap(value, p.tp_mesh, p.tp_placements, p.global_shape)
+            p.unsharded_param = value
+            for owner, name in p.owners:
+                prims.bind_value(owner, name, value)
+
+    def _reduce_in_backward(self, grads: list[Tensor | None]) -> list[Tensor]:
+        """The gradients of the sharded parameters from those of the unsharded values (one per
+        parameter of the group, in order): one reduce_scatter (and the replicas' all_reduce),
+        divided as ``finish_reduce`` divides.  With gradient sync off, the unsharded gradients are
+        kept and summed into the next synced backward's; the sharded ones are zero meanwhile."""
+        prims, n = self.prims, self.info.shard_size
+        locals_: list[Tensor] = []
+        for p, g in zip(self.params, grads):
+            if g is None:
+                g = prims.zeros(p.unsharded_shape, self.reduce_dtype, self.compute_device)
+            locals_.append(g)
+        if self._unsynced is not None:
+            for acc, g in zip(self._unsynced, locals_):
+                prims.add_(acc, g)
+            locals_ = self._unsynced
+        elif not self.reduce_grads:  # the first unsynced backward: own the sums
+            locals_ = [prims.rows(g, 0, prims.shape_of(g)[0]) for g in locals_]
+        if not self.reduce_grads:
+            self._unsynced = locals_
+            return [prims.zeros(p.shard_shape, p.orig_dtype, self.compute_device) for p in self.params]
+        self._unsynced = None
+        flat = prims.scatter_copy_in(locals_, n, [p.chunk_rows for p in self.params], self.reduce_dtype)
+        out = prims.reduce_scatter_start(flat, self.info.shard_group, n).wait()
+        if self.info.is_hybrid:
+            out = prims.all_reduce_sum(out, self.info.replicate_group, self.info.replicate_size)
+        factor = self.divide_factor if self.divide_factor is not None else float(self.info.dp_size)
+        return prims.scatter_copy_out(
+            out, [p.chunk_rows for p in self.params], [p.shard_shape for p in self.params],
+            [p.orig_dtype for p in self.params], 1.0 / factor,
+        )
 
     def _alloc_unsharded(self, p: FSDPParam) -> None:
         if p.unsharded_local is not None:

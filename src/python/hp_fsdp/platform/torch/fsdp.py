@@ -45,6 +45,9 @@ class _Pending:
 class _TorchFSDP:
     """``FSDPPrimitives`` of torch."""
 
+    # Unsharded parameters are leaves refilled in place; hooks drive the reduction.
+    autograd_gather = False
+
     # ----- tensors and parameters -----
     @staticmethod
     def is_dtensor(t: Any) -> bool:
@@ -261,6 +264,21 @@ class _TorchFSDP:
                 return x.to(dtype)
             return x
         return tree_map(cast, tree)
+
+    @staticmethod
+    def name_param(param: torch.Tensor, like: torch.Tensor) -> None:
+        """torch names parameters by their module path: nothing to carry over."""
+
+    @staticmethod
+    def gather_in_autograd(
+        sharded: Sequence[torch.Tensor], gathered: torch.Tensor, n: int, chunk_rows: Sequence[int],
+        shapes: Sequence[tuple[int, ...]], backward: Callable[[list[torch.Tensor | None]], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError("torch's fully_shard gathers into leaf parameters (autograd_gather is False)")
+
+    @staticmethod
+    def bind_value(owner: object, name: str, value: torch.Tensor | None) -> None:
+        raise NotImplementedError("torch's fully_shard swaps parameters (autograd_gather is False)")
 
 
 FSDP = _TorchFSDP()
