@@ -125,8 +125,27 @@ def _reduce(v: Tensor, red: _Reduction, op: str) -> Tensor:
     return dt.full_tensor()
 
 
+def _shard_as_param(prims: GradNormPrimitives, g: Tensor, param: Any) -> tuple[_Reduction, Tensor]:
+    """A plain (local) gradient of a DTensor parameter is laid out as the parameter: MindSpore's
+    ``value_and_grad`` over sharded parameters returns their shards as plain tensors."""
+    if prims.is_dtensor(g) or param is None or not prims.is_dtensor(param):
+        return _shard_of(prims, g)
+    placements: tuple[Placement, ...] = tuple(param.placements)
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(
+            f"clip_grads: parameter {prims.describe(param)} is Partial; a plain gradient of it has no "
+            f"known layout. Pass the gradient as a DTensor"
+        )
+    return _reduction(param.device_mesh, placements), prims.local_of(g)
+
+
 def _total_norm(
-    prims: GradNormPrimitives, tensors: list[Tensor], p: float, error_if_nonfinite: bool, foreach: bool | None
+    prims: GradNormPrimitives,
+    tensors: list[Tensor],
+    p: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    params: list[Any] | None = None,
 ) -> Tensor:
     if not tensors:
         return prims.zero_norm()
@@ -134,8 +153,8 @@ def _total_norm(
         if not prims.is_floating(t):
             raise TypeError(f"get_total_norm: tensor {i} is a {prims.describe(t)}; norms need floating-point tensors")
     groups: dict[_Reduction, list[Tensor]] = {}  # first-seen order: the same on every rank
-    for t in tensors:
-        red, local = _shard_of(prims, t)
+    for k, t in enumerate(tensors):
+        red, local = _shard_as_param(prims, t, None if params is None else params[k])
         groups.setdefault(red, []).append(local)
     op = "max" if p == math.inf else "min" if p == -math.inf else "sum"
     parts = []
@@ -214,4 +233,60 @@ def clip_grad_norm_(
     return total
 
 
-__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+def clip_grads(
+    grads: TensorOrTensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    parameters: TensorOrTensors | None = None,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> tuple[tuple[Tensor | None, ...], Tensor]:
+    """Clip ``grads`` (the tuple ``mindspore.value_and_grad`` returns; any framework) to total
+    norm ``max_norm``, out of place: returns ``(clipped, total_norm)``, ``clipped`` new tensors
+    ``g * min(max_norm / (total_norm + 1e-6), 1)`` in the order of ``grads`` (None stays None) and
+    ``total_norm`` the ``norm_type``-norm before clipping, the same 0-d tensor on every rank.
+
+    ``parameters``: the parameters ``grads`` belong to, in the same order; a plain gradient of a
+    DTensor parameter is taken as its local shard, laid out as the parameter (FSDP's ``Shard``,
+    HSDP's ``Replicate``, TP's), so the norm is reduced over the mesh dims it is sharded on.
+    Without it (or for a plain parameter) a plain gradient counts as this rank's whole tensor.
+    For MindSpore, where parameters hold no ``.grad`` and tensors are not reliably updated in
+    place, this is the form to use::
+
+        loss, grads = grad_fn(x, y)
+        grads, norm = clip_grads(grads, 1.0, parameters=net.trainable_params())
+    """
+    prims = grad_norm_primitives()
+    items = list(grads) if not prims.is_tensor(grads) else [grads]
+    for i, g in enumerate(items):
+        if g is not None and not prims.is_tensor(g):
+            raise TypeError(f"grads[{i}] is a {type(g).__name__}, not a tensor or None")
+    params: list[Any] | None = None
+    if parameters is not None:
+        params = _as_list(prims, parameters, "parameters")
+        if len(params) != len(items):
+            raise ValueError(
+                f"clip_grads: {len(items)} gradients but {len(params)} parameters; pass the parameters "
+                f"the gradients were taken of, in the same order"
+            )
+    m = _max_norm(max_norm)
+    p = _norm_type(norm_type)
+    live = [k for k, g in enumerate(items) if g is not None]
+    with prims.no_grad():
+        total = _total_norm(
+            prims, [items[k] for k in live], p, bool(error_if_nonfinite), foreach,
+            None if params is None else [params[k] for k in live],
+        )
+        out: list[Tensor | None] = list(items)
+        if live:
+            scaled = prims.scaled([prims.local_of(items[k]) for k in live], m, total)
+            for k, new in zip(live, scaled):
+                g = items[k]
+                if prims.is_dtensor(g):
+                    new = _platform().DTensor.from_local(new, g.device_mesh, tuple(g.placements), shape=tuple(g.shape))
+                out[k] = new
+    return tuple(out), total
+
+
+__all__ = ["clip_grad_norm_", "clip_grads", "clip_grads_with_norm_", "get_total_norm"]

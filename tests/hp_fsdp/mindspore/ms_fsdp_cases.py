@@ -34,6 +34,18 @@ def check_numbers(results) -> None:
         assert abs(ours - ref) <= 1e-6 + 1.5e-4 * abs(ref), (step, ours, ref)
 
 
+def check_clip(results, max_norm: float) -> None:
+    """Every rank's total norm of every step equal to one process's (rtol 1e-5) and above
+    ``max_norm`` (so the clipping scaled the gradients), with ``check_numbers``' gradients (the
+    clipped ones) and parameters."""
+    check_numbers(results)
+    ref = results[0]["ref_norms"]
+    assert len(ref) == 3 and all(n > max_norm for n in ref), ref
+    for r in results:
+        for a, b in zip(r["norms"], ref, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["norms"], ref)
+
+
 def build(blocks: int = 3):
     import mindspore as ms
     from mindspore import nn, ops
@@ -111,9 +123,11 @@ def _set_local(p, value: np.ndarray) -> None:
     ms.Parameter.set_data(p, ms.Tensor(value))
 
 
-def _train(net, x, y, steps: int, accum: int, on_step=None, sync=None):
+def _train(net, x, y, steps: int, accum: int, on_step=None, sync=None, clip=None, norms=None):
     """``steps`` AdamW steps; each sums ``accum`` micro-batch gradients (mean loss per micro-batch,
-    divided by ``accum``).  Returns losses and the gradients of the last step by parameter name."""
+    divided by ``accum``).  Returns losses and the gradients of the last step by parameter name.
+    ``clip=(max_norm, norm_type)`` (``accum`` 1): the gradients go through ``hp_fsdp.clip_grads``
+    (with the parameters, for their layouts) and each step's total norm is appended to ``norms``."""
     import mindspore as ms
     from mindspore import ops
 
@@ -135,6 +149,11 @@ def _train(net, x, y, steps: int, accum: int, on_step=None, sync=None):
             if sync:
                 sync(k == accum - 1)
             loss, grads = grad_fn(ms.Tensor(x[idx]), ms.Tensor(y[idx]))
+            if clip is not None:
+                from hp_fsdp import clip_grads
+
+                grads, norm = clip_grads(grads, clip[0], clip[1], parameters=weights)
+                norms.append(float(norm.asnumpy()))
             total += float(loss.asnumpy())
             g_np = [_local(g) for g in grads]
             acc = g_np if acc is None else [a + b for a, b in zip(acc, g_np)]
@@ -174,7 +193,9 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     steps, accum = cfg.get("steps", 3), cfg.get("accum", 1)
     x, y = data()
     ref = build()
-    ref_losses, ref_grads, ref_params, _ = _train(ref, x, y, steps, accum)
+    clip = cfg.get("clip")
+    ref_norms, norms = [], []
+    ref_losses, ref_grads, ref_params, _ = _train(ref, x, y, steps, accum, clip=clip, norms=ref_norms)
 
     net = build()
     full_bytes = sum(int(np.prod(p.shape)) * 4 for p in net.trainable_params())
@@ -226,7 +247,7 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             comm_bytes.append(m.get_comm_bytes())
 
     sync = (lambda on: net.set_requires_gradient_sync(on)) if accum > 1 else None
-    losses, grads, params, opt = _train(net, x[rows], y[rows], steps, accum, on_step, sync)
+    losses, grads, params, opt = _train(net, x[rows], y[rows], steps, accum, on_step, sync, clip, norms)
     worst = {"grad": 0.0, "param": 0.0}
     tol = cfg.get("tol", (RTOL, ATOL))
     for name, g in grads.items():
@@ -239,5 +260,5 @@ def run_case(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "ref_losses": ref_losses, "comms": comms, "comm_bytes": comm_bytes,
         "dtypes": sorted({str(p.dtype) for p in net.trainable_params()}), "leftover": leftover,
         "param_bytes": sum(a.size * 4 for a in params.values()), "grad_bytes": sum(a.size * 4 for a in grads.values()),
-        "opt_bytes": opt.state_bytes(), "full_bytes": full_bytes,
+        "opt_bytes": opt.state_bytes(), "full_bytes": full_bytes, "norms": norms, "ref_norms": ref_norms,
     }

@@ -2,11 +2,11 @@
 """fully_shard on 2 MindSpore CPU ranks: nested FSDP (three blocks and the root) trains 3 AdamW
 steps equal to one process, with one all_gather and one reduce_scatter per group per step; each
 rank holds its half of parameters, gradients and optimizer state; gradient accumulation with sync
-off equals one process; bad input fails on every rank.  The ranks start once for the module."""
+off equals one process; clip_grads on the sharded gradients equals one process; bad input fails on every rank.  The ranks start once for the module."""
 
 from __future__ import annotations
 
-from ms_fsdp_cases import GROUPS, check_numbers, run_case
+from ms_fsdp_cases import GROUPS, check_clip, check_numbers, run_case
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -48,11 +48,18 @@ def test_mixed_precision_float16(pool) -> None:
     assert abs(sum(r["losses"][0] for r in half) / 2 - half[0]["ref_losses"][0]) <= 2e-3 * half[0]["ref_losses"][0]
 
 
+def test_clip_grads_matches_one_process(pool) -> None:
+    """hp_fsdp.clip_grads on the sharded gradients value_and_grad returns: the total norm (2 and
+    inf) equals one process's norm of the whole gradients, and 3 clipped steps equal one process."""
+    for clip in ((0.1, 2.0), (0.02, float("inf"))):
+        check_clip(pool.run(run_case, {"mesh": (2,), "clip": clip}), clip[0])
+
+
 def _bad_inputs(rank: int, world: int) -> list[str]:
     from ms_fsdp_cases import build
 
     from hp_dtensor import init_device_mesh
-    from hp_fsdp import clip_grad_norm_, fully_shard
+    from hp_fsdp import clip_grad_norm_, clip_grads, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     errors = []
@@ -61,6 +68,8 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         lambda: fully_shard(net, mesh=mesh, reshard_after_forward=3),
         lambda: fully_shard(net, mesh="dp"),
         lambda: clip_grad_norm_(net.trainable_params(), 1.0),
+        lambda: clip_grads(tuple(net.trainable_params())[:2], 1.0, parameters=net.trainable_params()),
+        lambda: clip_grads(tuple(net.trainable_params())[:1], -1.0),
     ):
         try:
             call()
@@ -73,7 +82,11 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
 def test_bad_input_fails_on_every_rank(pool) -> None:
     results = pool.run(_bad_inputs)
     assert results[0] == results[1], results
-    rc, mesh, clip = results[0]
+    rc, mesh, clip, count, neg = results[0]
     assert rc.startswith("ValueError: reshard_after_forward=3"), rc
     assert mesh.startswith("TypeError: fully_shard: mesh must be a DeviceMesh"), mesh
-    assert clip.startswith("NotImplementedError: clip_grad_norm_"), clip
+    # MindSpore parameters hold no .grad: the in-place form names the one to use
+    assert clip.startswith("NotImplementedError: clip_grad_norm_ / clip_grads_with_norm_ read .grad"), clip
+    assert "hp_fsdp.clip_grads" in clip, clip
+    assert count.startswith("ValueError: clip_grads: 2 gradients but"), count
+    assert neg.startswith("ValueError: max_norm must be >= 0, got -1.0"), neg

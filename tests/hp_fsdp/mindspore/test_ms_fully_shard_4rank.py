@@ -2,11 +2,11 @@
 """fully_shard on 4 MindSpore CPU ranks: FSDP over 4 (uneven: out.weight's 3 rows give the last
 rank none), HSDP 2x2 (shard inside pairs, replicate across them) and TP + FSDP 2x2 each train 3 AdamW steps
 equal to one process, with exact collective counts and each rank's share of parameter,
-gradient and optimizer-state bytes.  The ranks start once for the module."""
+gradient and optimizer-state bytes; clip_grads under each equals one process.  The ranks start once for the module."""
 
 from __future__ import annotations
 
-from ms_fsdp_cases import GROUPS, check_numbers, run_case
+from ms_fsdp_cases import GROUPS, check_clip, check_numbers, run_case
 
 from hp_dtensor.testing import rank_pool_fixture
 
@@ -55,3 +55,13 @@ def test_tp_then_fsdp_2x2(pool) -> None:
         for c in r["comms"]:
             assert c["all_gather"] == GROUPS and c["reduce_scatter"] == GROUPS, r["comms"]
     print("tp+fsdp comms per step:", results[0]["comms"][0], "param bytes:", [r["param_bytes"] for r in results])
+
+
+def test_clip_grads_fsdp_hsdp_tp(pool) -> None:
+    """hp_fsdp.clip_grads on the sharded gradients: FSDP over 4 (the last rank holds no row of
+    some tensors) with norms 2 and inf, HSDP 2x2 (reduced over the shard dim only) with inf, TP +
+    FSDP 2x2 (reduced over dp and tp) with 2: each step's total norm equals one process's norm of
+    the whole gradients and 3 clipped steps equal one process."""
+    for cfg in ({"mesh": (4,), "clip": (0.1, 2.0)}, {"mesh": (4,), "clip": (0.02, float("inf"))},
+                {"mesh": (2, 2), "clip": (0.02, float("inf"))}, {"mesh": (2, 2), "tp": True, "clip": (0.1, 2.0)}):
+        check_clip(pool.run(run_case, cfg), cfg["clip"][0])

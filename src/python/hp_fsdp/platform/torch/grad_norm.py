@@ -146,6 +146,12 @@ class _TorchGradNorm:
                 for t in ts:
                     t.mul_(c)
 
+    @staticmethod
+    def scaled(tensors: Sequence[torch.Tensor], max_norm: float, total: torch.Tensor) -> list[torch.Tensor]:
+        """New tensors ``t * min(max_norm / (total + 1e-6), 1)`` (``clip_grads``, out of place)."""
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return [t * coef.to(device=t.device, dtype=t.dtype) for t in tensors]
+
 
 GRAD_NORM = _TorchGradNorm()
 
