@@ -9,7 +9,9 @@ mean loss hardly tells bf16 from float32 on this model, so the dtypes a step see
 bf16 weights and activations in the blocks, float32 logits, master parameters and gradients.  With
 dp_shard=4 (tp=1) the bytes ``fully_shard`` all-gathers halve under bf16 parameters, while the
 reduce-scatter keeps float32 unless ``reduce_dtype`` is bfloat16 too (counted by CommDebugMode).
-Mixed precision without data-parallel sharding is refused before any rank starts."""
+pp=2 x dp_shard=2 under bf16 equals the same reference: the stages exchange bf16 activations and
+the last stage's logits are cast to float32 for the loss.  Mixed precision without data-parallel
+sharding, or under context parallelism, is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -125,6 +127,71 @@ def test_bf16_fsdp_tp_matches_one_process_casts(pool4: RankPool, tmp_path: Path)
     assert sum(got[-3:]) / 3 < sum(got[:3]) / 3 - 0.5, got
 
 
+def _train_pp(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    args = train.parse_args(argv)
+    config, layout = train.check_args(args)
+    out = train.train(args, layout, config, rank, distributed=True, quiet=True)
+    return {"losses": out["losses"], "layout": layout.as_dict(), **_pp_dtypes_seen(args, layout, config)}
+
+
+def _pp_dtypes_seen(args: Any, layout: Any, config: Any) -> dict[str, Any]:
+    """The dtypes of one pipelined training step on this rank: what its first decoder layer's MLP
+    computes with, the activations the stages exchange (as the schedule describes them), the
+    logits the last stage hands to the loss and the loss itself, the master parameters and their
+    gradients."""
+    from hp_models import synthetic
+
+    model, dp_rank = train.build_model(args, layout, config, distributed=True)
+    seen: dict[str, str] = {}
+    mlp = next(iter(model.model.layers.values())).mlp.down_proj
+
+    def record(module: Any, inputs: Any, output: Any) -> None:
+        seen.update(mlp_input=str(inputs[0].dtype), mlp_weight=str(module.weight.dtype))
+
+    mlp.register_forward_hook(record)
+    loss_fn = model.schedule.loss_fn
+
+    def loss(logits: Any, target: Any) -> Any:
+        value = loss_fn(logits, target)
+        seen.update(stage_logits=str(logits.dtype), loss=str(value.dtype))
+        return value
+
+    model.schedule.loss_fn = loss
+    ids, tgt = synthetic.batch(args.seed, 0, layout.global_batch_size, args.seq_len, config.vocab_size)
+    train.train_step(model, layout, dp_rank, ids, tgt, tp_loss=layout.tp > 1)
+    seen["p2p"] = ",".join(sorted({dtype for _shape, dtype in model.schedule._shapes.values()}))
+    seen["master"] = ",".join(sorted({str(p.dtype) for p in model.parameters()}))
+    seen["grads"] = ",".join(sorted({str(p.grad.dtype) for p in model.parameters()}))
+    return seen
+
+
+def test_bf16_pp_fsdp_matches_one_process_casts(pool4: RankPool, tmp_path: Path) -> None:
+    """pp=2 x dp_shard=2 under ``--mixed-precision bf16``: each stage's ``fully_shard`` applies the
+    policy, the stages exchange bf16 activations (and their gradients), and the last stage's logits
+    are cast to float32 for the loss; the losses equal the one-process casts within one bf16 ulp."""
+    import torch
+
+    argv = ["--pp", "2", "--dp-shard", "2", "--tp", "1", "--nproc", "4", "--mixed-precision", "bf16",
+            "--global-batch-size", "8", "--out-dir", str(tmp_path), *SHORT]
+    res = pool4.run(_train_pp, argv, timeout=300)
+    got = res[0]["losses"]
+    assert all(r["losses"] == got for r in res)
+    assert res[0]["layout"]["pp"] == 2 and res[0]["layout"]["param_dtype"] == "bfloat16"
+    for r in res:  # every rank: bf16 compute and exchange, float32 master weights and gradients
+        assert {k: r[k] for k in ("master", "grads", "mlp_weight", "mlp_input", "p2p")} == {
+            "master": "torch.float32", "grads": "torch.float32", "mlp_weight": "torch.bfloat16",
+            "mlp_input": "torch.bfloat16", "p2p": "bfloat16"}, r
+    last = [r for r in res if "stage_logits" in r]
+    assert len(last) == 2 and all(r["stage_logits"] == "torch.bfloat16" and r["loss"] == "torch.float32"
+                                  for r in last), res
+    want = _reference(STEPS, 8, SEQ, LR)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    print(f"\nbf16 pp=2 x dp_shard=2, {STEPS} steps: {[round(x, 4) for x in got]}\n"
+          f"  1-process bf16 casts: {[round(x, 4) for x in want]}\n  max rel diff {worst:.2e}")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL, atol=0.0)
+    assert sum(got[-3:]) / 3 < sum(got[:3]) / 3 - 0.5, got
+
+
 def _comm_bytes(rank: int, world: int, argv: list[str]) -> dict[str, int]:
     """Bytes of the collectives of one training step (forward + backward) on this rank."""
     from hp_dtensor.comm_debug import CommDebugMode
@@ -158,10 +225,14 @@ def test_bf16_halves_fsdp_gather_bytes(pool4: RankPool, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv,words", [
     (["--mixed-precision", "bf16"], ["param_dtype bfloat16", "no data-parallel sharding", "tp=2", "--dp-shard 2"]),
-    (["--mixed-precision", "bf16", "--dp-shard", "2", "--nproc", "4", "--pp", "2", "--tp", "1"],
-     ["param_dtype bfloat16", "pipeline_parallel > 1", "not built"]),
-])
+    (["--mixed-precision", "bf16", "--dp-shard", "2", "--nproc", "4", "--cp", "2", "--tp", "1"],
+     ["param_dtype bfloat16", "context_parallel > 1", "not built"]),
+], ids=["no-dp-sharding", "cp"])
 def test_bad_settings_fail_before_any_rank_starts(argv, words, tmp_path: Path) -> None:
+    job = tmp_path / "causal.yaml"  # context parallelism needs the compressed causal mask
+    job.write_text("model:\n  use_attn_mask_compression: true\n")
+    if "--cp" in argv:
+        argv = ["--job", str(job), *argv]
     with pytest.raises(SystemExit) as info:
         train.main([*argv, "--out-dir", str(tmp_path / "out")])
     msg = str(info.value.code)

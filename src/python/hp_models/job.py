@@ -370,8 +370,8 @@ def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
 
 def _check_features(layout: TrainLayout) -> None:
     """Trainer features this layout cannot run: activation checkpointing under context parallelism
-    or of the mixture-of-experts model; mixed precision outside the dense TP/FSDP path, or without
-    data-parallel sharding (``fully_shard`` applies it)."""
+    or of the mixture-of-experts model; mixed precision under context parallelism or of the
+    mixture-of-experts model, or without data-parallel sharding (``fully_shard`` applies it)."""
     ac = layout.activation_checkpoint.mode
     mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
     if ac is not ActivationCheckpointMode.NONE:
@@ -387,7 +387,7 @@ def _check_features(layout: TrainLayout) -> None:
     if not mixed:
         return
     what = f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}"
-    paths = [name for name, on in (("pipeline_parallel > 1", layout.pp > 1), ("context_parallel > 1", layout.cp > 1),
+    paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
                                    ("a mixture-of-experts model", layout.moe is not None)) if on]
     if paths:
         raise ValueError(

@@ -25,6 +25,7 @@ from torch import nn
 from hp_dtensor import DeviceMesh, DTensor
 from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
+from hp_models.mixed_precision import fsdp_policy, is_mixed
 from hp_models.qwen3_5.pipeline import pipeline_qwen3_5
 from hp_pp import PipelineSchedule, Schedule1F1B, ScheduleInterleaved1F1B
 from hp_tp import loss_parallel
@@ -45,12 +46,14 @@ class PipelinedModel(nn.Module):
         checkpoint_model_blocks(model, layout)
         stages = pipeline_qwen3_5(
             model, split, mesh, reshard_after_forward=layout.dims.reshard_after_forward,
-            sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
+            sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload, mp_policy=fsdp_policy(layout),
         )
         self._layout = layout
         self._mesh = mesh
         self._first, self._last = stages[0].is_first, stages[-1].is_last
         self._losses: list[Any] = []
+        # under mixed precision the last stage's logits are bf16; the loss takes them in float32
+        self._float_logits = is_mixed(layout.param_dtype, layout.reduce_dtype)
         self._dp_scale = 1.0 / layout.dp if layout.sum_gradients and layout.uses_fsdp else 1.0
         m = layout.accumulation
         self.schedule: PipelineSchedule = (
@@ -73,8 +76,11 @@ class PipelinedModel(nn.Module):
         self.model = body
 
     def _loss(self, logits: Any, target: Any) -> Any:
-        """Cross entropy of one microbatch (vocab-parallel under TP), recorded for the report, then
-        scaled by ``1 / dp`` when the data-parallel gradients are summed rather than averaged."""
+        """Cross entropy of one microbatch (vocab-parallel under TP; in float32 under mixed precision,
+        as without pipelining), recorded for the report, then scaled by ``1 / dp`` when the
+        data-parallel gradients are summed rather than averaged."""
+        if self._float_logits and logits.dtype != torch.float32:
+            logits = logits.float()
         if isinstance(logits, DTensor):
             with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())

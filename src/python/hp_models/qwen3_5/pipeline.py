@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, Shard
+from hp_fsdp import MixedPrecisionPolicy
 from hp_models.qwen3_5.fsdp import apply_fsdp_qwen3_5
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_pp import PipelineConfigError, PipelineStage, StageSplit
@@ -107,6 +108,7 @@ def parallelize_qwen3_5_stages(
     reshard_after_forward: bool = False,
     sum_gradients: bool = False,
     cpu_offload: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> list[Qwen3_5Stage]:
     """Tensor and data parallelism inside this rank's stage modules, in place, over the dense mesh
     ``["pp", "dp_replicate", "fsdp", "tp"]`` (dims of size 1 or absent are skipped); returns them.
@@ -118,7 +120,9 @@ def parallelize_qwen3_5_stages(
     microbatch, and ``reshard_after_forward=False`` (the default, as torchtitan under PP) keeps
     each stage's parameters gathered from its first forward to its last backward: one all_gather
     and one reduce_scatter per FSDP unit and step.  ``sum_gradients``: gradients summed over the
-    data-parallel ranks instead of averaged (scale the loss by ``1 / dp``).  Call it before wrapping
+    data-parallel ranks instead of averaged (scale the loss by ``1 / dp``).  ``mp_policy``: the
+    mixed-precision policy of every ``fully_shard`` (under bf16 parameters the activations the
+    stages exchange, and the last stage's logits, are bf16).  Call it before wrapping
     the modules in ``PipelineStage`` (the tied parameter it names must be the sharded one)."""
     names = mesh.mesh_dim_names or ()
     unknown = sorted(set(names) - {"pp", "dp_replicate", "fsdp", "tp"})
@@ -140,13 +144,14 @@ def parallelize_qwen3_5_stages(
         if dp_replicate * fsdp > 1:
             dp_mesh = mesh["dp_replicate", "fsdp"] if dp_replicate > 1 else mesh["fsdp"]
             apply_fsdp_qwen3_5(stage, dp_mesh, reshard_after_forward=reshard_after_forward,
-                               sum_gradients=sum_gradients, cpu_offload=cpu_offload)
+                               sum_gradients=sum_gradients, cpu_offload=cpu_offload, mp_policy=mp_policy)
     return out
 
 
 def pipeline_qwen3_5(model: Any, split: StageSplit, mesh: DeviceMesh, *, pp_dim: str = "pp",
                      check_finite: bool = False, reshard_after_forward: bool = False,
-                     sum_gradients: bool = False, cpu_offload: bool = False) -> list[PipelineStage]:
+                     sum_gradients: bool = False, cpu_offload: bool = False,
+                     mp_policy: MixedPrecisionPolicy | None = None) -> list[PipelineStage]:
     """``PipelineStage`` objects for this rank's virtual stages of ``model`` over ``mesh``'s pp dim.
     On the dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` the stage modules are first
     parallelized by ``parallelize_qwen3_5_stages`` (the keyword arguments are its own)."""
@@ -158,7 +163,7 @@ def pipeline_qwen3_5(model: Any, split: StageSplit, mesh: DeviceMesh, *, pp_dim:
     chunks = split_qwen3_5(model, split, pp_rank)
     if mesh.ndim > 1:
         parallelize_qwen3_5_stages(chunks, mesh, reshard_after_forward=reshard_after_forward,
-                                   sum_gradients=sum_gradients, cpu_offload=cpu_offload)
+                                   sum_gradients=sum_gradients, cpu_offload=cpu_offload, mp_policy=mp_policy)
     return [
         PipelineStage(c, v, split.num_virtual, mesh, pp_dim=pp_dim, tied_parameters=c.tied_parameters(),
                       check_finite=check_finite)
