@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from hp_models.job import DEFAULT_GLOBAL_BATCH_SIZE
-from hp_models.train_features_cli import add_feature_flags
+from hp_models.trainer.feature_flags import add_feature_flags
 from hp_protocols import LRDecay
 
 

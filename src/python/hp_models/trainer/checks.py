@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from hp_models.job import ModelSizes, Overrides, TrainLayout, plan, read_job, read_job_file
-from hp_models.train_features_cli import feature_overrides
 from hp_models.trainer.args import Args
 from hp_models.trainer.checkpointing import check_checkpoint_dir
+from hp_models.trainer.feature_flags import feature_overrides
 from hp_models.trainer.lr_schedule import LRSchedule
 
 
