@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ms_gradient_cases import slice_of
 
 from hp_dtensor.testing import rank_pool_fixture
 from hp_dtensor.testing.mixed_partial_cases import check_mixed_partials, mixed_partial_case
@@ -74,13 +75,6 @@ def _bits(t, name):
     return str(t.dtype), np.ascontiguousarray(a).tobytes()
 
 
-def _slice(a, placements, mesh_shape, coord):
-    for k, p in enumerate(placements):
-        if p.is_shard():
-            a = np.split(a, mesh_shape[k], axis=p.dim)[coord[k]]
-    return a
-
-
 def _dtype_cases(rank, world, mesh_shape):
     """distribute_tensor from rank 0 (others pass zeros), redistribute between shard/replicate
     layouts, Partial sum/max/min reductions: every result's bytes against numpy's."""
@@ -108,11 +102,11 @@ def _dtype_cases(rank, world, mesh_shape):
         for src in layouts:
             try:
                 dt = distribute_tensor(_tensor(mine, name), mesh, src)
-                expect(dt.to_local(), _slice(A, src, mesh_shape, coord), name, f"distribute {src}")
+                expect(dt.to_local(), slice_of(A, src, mesh_shape, coord), name, f"distribute {src}")
                 expect(dt.full_tensor(), A, name, f"full_tensor from {src}")
                 for dst in layouts:
                     if dst != src:
-                        expect(dt.redistribute(mesh, dst).to_local(), _slice(A, dst, mesh_shape, coord), name,
+                        expect(dt.redistribute(mesh, dst).to_local(), slice_of(A, dst, mesh_shape, coord), name,
                                f"{src}->{dst}")
             except Exception as e:  # noqa: BLE001 -- a raise is one more wrong answer to report
                 failures.append(f"{name} {src}: raised {type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -239,7 +233,7 @@ def _cache_cases(rank, world):
     X = Tensor(A)
     out = []
     for pl in ([Shard(0)], [Shard(1)], [Partial("sum")]):
-        local = Tensor(_partial_terms(A, rank, world)) if pl[0].is_partial() else Tensor(_slice(A, pl, (world,), (rank,)))
+        local = Tensor(_partial_terms(A, rank, world)) if pl[0].is_partial() else Tensor(slice_of(A, pl, (world,), (rank,)))
         calls = [
             ("sum((0, 1))", lambda x: x.sum((0, 1))),
             ("sum(0, True)", lambda x: x.sum(0, True)),
@@ -328,7 +322,7 @@ def _python_values(rank, world, mesh_shape):
     coord = mesh.get_coordinate()
     A = np.arange(32, dtype=np.float32).reshape(4, 8) / 4.0
     pl = [Shard(0)] + [Shard(1)] * (len(mesh_shape) - 1)
-    x = DTensor.from_local(Tensor(_slice(A, pl, mesh_shape, coord)), mesh, pl)
+    x = DTensor.from_local(Tensor(slice_of(A, pl, mesh_shape, coord)), mesh, pl)
     p = DTensor.from_local(Tensor(_partial_terms(A, rank, world)), mesh, [Partial("sum")] * len(mesh_shape))
     s = x.sum()
     return {
@@ -524,7 +518,7 @@ def _dropout_cases(rank, world):
     y_cell = drop(rep).to_local().asnumpy()
     # the same draw on a sharded tensor is the matching slice of the replicated one
     rng.manual_seed(1234)
-    sh = DTensor.from_local(Tensor(_slice(A, (Shard(0), Shard(1)), (2, 2), coord)), mesh, [Shard(0), Shard(1)])
+    sh = DTensor.from_local(Tensor(slice_of(A, (Shard(0), Shard(1)), (2, 2), coord)), mesh, [Shard(0), Shard(1)])
     y_sh = ops.dropout(sh, p=0.25).full_tensor().asnumpy()
 
     def loss(xl):
