@@ -49,3 +49,37 @@ def test_default_device_type_is_the_process_device() -> None:
 
     _build("init_device_mesh", "cpu")
     assert current().default_device_type() == "cpu"
+
+
+
+_KERNEL_THEN_MESH = """
+import numpy as np
+from mindspore import Tensor, ops
+from hp_dtensor import init_device_mesh
+from hp_dtensor.platform import current
+assert float(ops.add(Tensor(np.ones(2, np.float32)), 1).asnumpy().sum()) == 4.0
+mesh = init_device_mesh("cpu", (1,))
+assert mesh.shape == (1,) and current().default_device_type() == "cpu"
+current().destroy()
+try:
+    init_device_mesh("npu", (1,))
+except RuntimeError as e:
+    assert "needs MindSpore built for Ascend; this MindSpore cannot use it" in str(e), e
+else:
+    raise AssertionError("an npu mesh was built on a CPU-only MindSpore")
+print("ok")
+"""
+
+
+def test_a_mesh_after_kernels_ran_in_the_process() -> None:
+    """MindSpore refuses set_device once a kernel has run in a process; a cpu mesh is still built
+    there (the runtime already runs on CPU), so test files batched in one pytest process need no
+    order, and an npu mesh on this CPU-only MindSpore is still refused as one it cannot use.  A
+    fresh interpreter: this file's other tests have set the device already."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _KERNEL_THEN_MESH], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

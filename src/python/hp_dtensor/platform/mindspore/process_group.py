@@ -62,9 +62,20 @@ def ensure_process_group(device_type: str) -> None:
     try:
         ms.set_device(target)
     except (RuntimeError, ValueError) as e:
-        raise RuntimeError(
-            f"device_type={device_type!r} needs MindSpore built for {target}; this MindSpore cannot use it ({e})"
-        ) from e
+        # MindSpore refuses set_device once a kernel has run in the process (a single-process
+        # computation, or an earlier job this process left).  The device cannot change then, so
+        # the request is honoured when the runtime already runs on the target.
+        running = str(ms.get_context("device_target"))
+        if "has been initialized" in str(e):
+            if running != target:
+                raise RuntimeError(
+                    f"device_type={device_type!r} needs MindSpore on {target}, but this process already runs "
+                    f"MindSpore kernels on {running}; start a new process for it"
+                ) from e
+        else:
+            raise RuntimeError(
+                f"device_type={device_type!r} needs MindSpore built for {target}; this MindSpore cannot use it ({e})"
+            ) from e
     _state["device"] = target
     present = [k for k in _LAUNCH_VARS if k in os.environ]
     if not present and "RANK_TABLE_FILE" not in os.environ:
