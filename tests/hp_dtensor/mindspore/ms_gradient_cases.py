@@ -34,8 +34,8 @@ def compare(mesh, placements, A, f, cotangent, comm_counts=None):
     ``A`` in one process.  ``cotangent(shape)`` draws the output's cotangent ``G`` once the
     reference has given the output's shape (every rank draws the same one); the gradients are
     ``G``'s pullbacks, compared shard by shard.  The value compared is the one the gradient's
-    forward computed.  ``comm_counts``, when given, receives the collectives ``f`` alone issues
-    (one more forward, outside autodiff)."""
+    forward computed.  ``comm_counts``, when given, receives the collectives ``f`` alone issues in
+    that forward (not the gather of its output for the comparison, nor the backward's)."""
     import mindspore as ms
     from mindspore import Tensor
 
@@ -46,12 +46,17 @@ def compare(mesh, placements, A, f, cotangent, comm_counts=None):
     want, pull_back = ms.vjp(f, Tensor(A))
     G = Tensor(np.asarray(cotangent(tuple(want.shape)), np.float32))
     (want_grad,) = pull_back(G)
-    got, dt_pull_back = ms.vjp(lambda xl: f(DTensor.from_local(xl, mesh, placements)).full_tensor(), local)
-    (grad,) = dt_pull_back(G)
-    if comm_counts is not None:
+
+    def dtensor_f(xl):
+        if comm_counts is None:
+            return f(DTensor.from_local(xl, mesh, placements)).full_tensor()
         with CommDebugMode() as comm:
-            f(DTensor.from_local(local, mesh, placements))
+            out = f(DTensor.from_local(xl, mesh, placements))
         comm_counts.add(tuple(sorted(comm.get_comm_counts().items())))
+        return out.full_tensor()
+
+    got, dt_pull_back = ms.vjp(dtensor_f, local)
+    (grad,) = dt_pull_back(G)
     got, want, grad = got.asnumpy(), want.asnumpy(), grad.asnumpy()
     want_grad = slice_of(want_grad.asnumpy(), placements, mesh.shape, coord)
     if got.shape != want.shape or grad.shape != want_grad.shape:
