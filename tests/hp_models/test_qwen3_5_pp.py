@@ -1,5 +1,6 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg,misc"
-"""Qwen3.5 pipeline-parallel on 2 gloo ranks equals one process, and torch.distributed.pipelining.
+"""Qwen3.5 pipeline-parallel on 2 gloo ranks equals one process, and torch.distributed.pipelining
+(on 2 ranks and, for the comparison with torch, on 4).
 
 Each case builds the model (fp32) with one seed on every rank, cuts it into stages
 (``hp_pp.split_layers``: ``auto`` or explicit ranges, interleaved or not), steps a schedule for 3
@@ -33,6 +34,7 @@ import pytest
 from hp_dtensor.testing import rank_pool_fixture
 
 pool2 = rank_pool_fixture(2, timeout=240)
+pool4 = rank_pool_fixture(4, timeout=300)  # pp=4 against torch only
 
 BATCH, SEQ, M, STEPS, LR = 8, 16, 4, 3, 1e-2
 RTOL, ATOL = 1.5e-4, 1e-5
@@ -284,8 +286,8 @@ def _torch_case(rank: int, world: int, layers: int, spec: Any, interleave: int, 
     from hp_pp import ScheduleKind, schedule_for, split_layers
 
     cfg = _config(layers, False)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    split = split_layers(spec, layers, 2, interleave)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    split = split_layers(spec, layers, world, interleave)
     sk = ScheduleKind(kind)
     nv = split.num_virtual
     ids, tgt = synthetic.batch(0, 0, BATCH, SEQ, cfg.vocab_size)
@@ -359,11 +361,32 @@ TORCH_CASES = [
 ]
 
 
+# pp=4 on 4 ranks: a first, two middle stages and a last, so sends and receives run both ways on
+# ranks with two neighbours, and interleaving wraps from the last rank to the first.
+TORCH_CASES_PP4 = [
+    (4, "auto", 1, "gpipe", 4),
+    (4, "auto", 1, "1f1b", 8),
+    (8, "auto", 2, "interleaved_1f1b", 4),
+    (8, "auto", 2, "interleaved_1f1b", 8),
+]
+
+
 @pytest.mark.parametrize("layers,spec,interleave,kind,m", TORCH_CASES,
                          ids=[f"{c[0]}L-{c[3]}-x{c[2]}-m{c[4]}" for c in TORCH_CASES])
 def test_against_torch_pipelining(pool2, layers, spec, interleave, kind, m):
-    res = pool2.run(_torch_case, layers, spec, interleave, kind, m)
-    print(f"[vs torch] {layers}L {kind} x{interleave} m={m}: {sum(r['n'] for r in res)} per-stage grads equal, "
+    _against_torch(pool2, layers, spec, interleave, kind, m)
+
+
+@pytest.mark.parametrize("layers,spec,interleave,kind,m", TORCH_CASES_PP4,
+                         ids=[f"pp4-{c[0]}L-{c[3]}-x{c[2]}-m{c[4]}" for c in TORCH_CASES_PP4])
+def test_against_torch_pipelining_pp4(pool4, layers, spec, interleave, kind, m):
+    _against_torch(pool4, layers, spec, interleave, kind, m)
+
+
+def _against_torch(pool, layers, spec, interleave, kind, m):
+    res = pool.run(_torch_case, layers, spec, interleave, kind, m)
+    print(f"[vs torch] pp={len(res)} {layers}L {kind} x{interleave} m={m}: {sum(r['n'] for r in res)} per-stage "
+          f"grads equal, "
           f"worst |diff| {max(r['worst_abs'] for r in res):.2e}; P2P (send, recv) per step by rank ours "
           f"{[(r['ours']['sends'], r['ours']['recvs']) for r in res]} = torch "
           f"{[(r['torch']['send'], r['torch']['recv']) for r in res]} = formula")
