@@ -47,9 +47,8 @@ _STEP_CHARGE = 1e-3  # tie-breaker, in elements
 # ``benchmarks/redistribute_latency.py`` (t = latency + bytes / bandwidth per collective kind).
 # On 2-core CPU machines with gloo under load (two runs), the fits ranged 0.16-1.3 MB on groups
 # of 2 and 0.7-5.7 MB on groups of 4 (medians over the kinds 0.32-0.39 MB on 2 ranks, 0.48-0.84
-# MB on 4).  The
-# constant sits near the low end: a plan keeps fewer collectives only where every fit says the
-# bytes it gives up cost less than the calls it saves.  Override it with ``set_cost_model``.
+# MB on 4).  The constant sits near the low end: a plan keeps fewer collectives only where every
+# fit says the bytes it gives up cost less than the calls it saves.  ``set_cost_model`` overrides it.
 GLOO_CPU_LATENCY_BYTES = 262_144.0
 
 
