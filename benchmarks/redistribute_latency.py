@@ -2,10 +2,11 @@
 
 Run: ./pants run benchmarks/redistribute_latency.py   (or python benchmarks/redistribute_latency.py)
 
-Part 1 times all_reduce, all_gather, reduce_scatter and all_to_all on 4 gloo ranks (groups of 4
-and of 2) over sizes from 4 B to 4 MB per rank and fits ``t = a + b * bytes`` to each (``bytes``
-is what the planner counts: bytes one rank sends over a ring).  ``a / b`` is the latency in bytes
-a rank could have sent meanwhile: the planner's ``GLOO_CPU_LATENCY_BYTES`` is set from these fits.
+Part 1 times all_reduce, all_gather, reduce_scatter and all_to_all on 2 gloo ranks, then on 4
+(groups of 4, and pairs while the other pair runs too), over sizes from 4 B to 4 MB per rank and
+fits ``t = a + b * bytes`` to each (``bytes`` is what the planner counts: bytes one rank sends
+over a ring).  ``a / b`` is the latency in bytes a rank could have sent meanwhile: the planner's
+``GLOO_CPU_LATENCY_BYTES`` is set from these fits (the median per world and over all are printed).
 
 Part 2 checks the trade the term makes on a 2x2 mesh: ``[Partial(sum), Replicate()] ->
 [Shard(0), Shard(0)]`` of an ``(n, 8)`` float32 tensor.  The bytes-only plan takes three steps
@@ -35,7 +36,8 @@ def _iters(numel: int) -> int:
 
 
 def _collectives(rank: int, world: int) -> list[tuple[str, int, int, float]]:
-    """(kind, group size, bytes sent per rank as the planner counts them, microseconds)."""
+    """(kind, group size, bytes sent per rank as the planner counts them, microseconds): the whole
+    world as one group, and on 4 ranks also two pairs at once."""
     import warnings
 
     import torch
@@ -43,9 +45,10 @@ def _collectives(rank: int, world: int) -> list[tuple[str, int, int, float]]:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # reduce_scatter_tensor's rename
 
-    # every rank creates every group, in the same order, and uses the one it belongs to
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    groups: dict[int, Any] = {4: None, 2: pairs[rank // 2]}
+    groups: dict[int, Any] = {world: None}
+    if world == 4:  # every rank creates every group, in the same order, and uses its own
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        groups[2] = pairs[rank // 2]
     rows = []
     for n, group in groups.items():
         for numel in SIZES:
@@ -113,21 +116,28 @@ def _crossover(rank: int, world: int) -> list[tuple[int, str, str, float, float]
 def main() -> None:
     from hp_dtensor.redistribute.planner import GLOO_CPU_LATENCY_BYTES
 
+    colls = {}
+    with RankPool(2, timeout=900) as pool:
+        colls[2] = pool.run(_collectives)
     with RankPool(4, timeout=900) as pool:
-        coll = pool.run(_collectives)
+        colls[4] = pool.run(_collectives)
         cross = pool.run(_crossover)
-    print(f"# redistribute_latency: 4 gloo ranks on {os.cpu_count()} cores, median of {REPEATS} repeats")
-    print(f"{'collective':<16}{'ranks':>6}{'latency (us)':>14}{'GB/s per rank':>15}{'latency (bytes)':>17}")
-    latencies = []
-    by_kind: dict[tuple[str, int], list[tuple[int, float]]] = {}
-    for i, (kind, n, nbytes, _) in enumerate(coll[0]):
-        slowest = max(rows[i][3] for rows in coll)  # the slowest rank bounds the collective
-        by_kind.setdefault((kind, n), []).append((nbytes, slowest))
-    for (kind, n), points in by_kind.items():
-        a, b = _fit(points)
-        latencies.append(a / b)
-        print(f"{kind:<16}{n:>6}{a:>14.1f}{1e-3 / b:>15.2f}{a / b:>17.0f}")
-    print(f"median latency: {statistics.median(latencies):.0f} bytes (planner constant: {GLOO_CPU_LATENCY_BYTES:.0f})")
+    print(f"# redistribute_latency: 2 and 4 gloo ranks on {os.cpu_count()} cores, median of {REPEATS} repeats")
+    print(f"{'collective':<16}{'world':>6}{'group':>6}{'latency (us)':>14}{'GB/s per rank':>15}{'latency (bytes)':>17}")
+    latencies: dict[int, list[float]] = {}
+    for world, coll in colls.items():
+        by_kind: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for i, (kind, n, nbytes, _) in enumerate(coll[0]):
+            slowest = max(rows[i][3] for rows in coll)  # the slowest rank bounds the collective
+            by_kind.setdefault((kind, n), []).append((nbytes, slowest))
+        for (kind, n), points in by_kind.items():
+            a, b = _fit(points)
+            latencies.setdefault(world, []).append(a / b)
+            print(f"{kind:<16}{world:>6}{n:>6}{a:>14.1f}{1e-3 / b:>15.2f}{a / b:>17.0f}")
+    for world, fits in latencies.items():
+        print(f"median latency on {world} ranks: {statistics.median(fits):.0f} bytes")
+    every = [x for fits in latencies.values() for x in fits]
+    print(f"median latency: {statistics.median(every):.0f} bytes (planner constant: {GLOO_CPU_LATENCY_BYTES:.0f})")
     print()
     print(f"{'elements':>10}  {'latency-aware plan':<30}{'bytes-only plan':<34}{'aware (us)':>11}{'bytes (us)':>11}{'ratio':>7}")
     for r in range(len(cross[0])):

@@ -192,6 +192,57 @@ def test_set_cost_model_replans_and_validates() -> None:
         set_cost_model(0.0)  # type: ignore[arg-type]
 
 
+RS, AR, AG, A2A = StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE, StepKind.ALL_GATHER, StepKind.ALL_TO_ALL
+FEWEST = CostModel(1e12)  # any saving in bytes is worth less than one collective
+
+# (mesh, shape, src, dst, collectives of the byte-cheapest plan, of the plan with fewest collectives)
+HAND_CASES = [
+    ((2, 2), (64, 8), PR, SS, [RS, A2A], [RS]),  # torch: reduce_scatter, then a local chunk
+    ((2, 2), (64, 8), (P, P), (R, R), [RS, AR, AG], [AR, AR]),
+    ((2, 4), (64, 8), (R, Shard(0)), SS, [A2A, A2A], [AG]),
+    ((2, 2), (64, 8), SS, (R, Shard(0)), [A2A, AG, A2A], [AG, AG]),
+]
+
+
+@pytest.mark.parametrize(("mesh", "shape", "src", "dst", "cheap", "few"), HAND_CASES)
+def test_more_collectives_only_when_the_bytes_saved_exceed_their_latency(mesh, shape, src, dst, cheap, few) -> None:
+    by_bytes = plan_redistribute(mesh, shape, src, dst, model=BYTES_ONLY)
+    by_calls = plan_redistribute(mesh, shape, src, dst, model=FEWEST)
+    assert by_bytes.collectives() == cheap and by_calls.collectives() == few
+    assert by_bytes.cost < by_calls.cost
+    # the latency at which both plans cost the same: the float32 bytes saved per extra collective
+    tie = (by_calls.cost - by_bytes.cost) * 4 / (len(cheap) - len(few))
+    assert plan_redistribute(mesh, shape, src, dst, model=CostModel(tie * 0.5)).steps == by_bytes.steps
+    assert plan_redistribute(mesh, shape, src, dst, model=CostModel(tie * 2)).steps == by_calls.steps
+    # under the default (gloo) latency: this small tensor takes the fewest collectives; scaled up
+    # until the saving is twice the latency, the byte-cheapest plan
+    assert tie < GLOO_CPU_LATENCY_BYTES
+    assert plan_redistribute(mesh, shape, src, dst).steps == by_calls.steps
+    big = (shape[0] * math.ceil(2 * GLOO_CPU_LATENCY_BYTES / tie),) + shape[1:]
+    assert plan_redistribute(mesh, big, src, dst).collectives() == cheap
+
+
+def test_equal_bytes_take_the_fewest_collectives() -> None:
+    # 3 rows over 2x2: gathering mesh dim 1 and chunking twice moves as many (padded) elements as
+    # two all_to_alls around the chunk; with any latency at all the one collective wins
+    mesh, shape, src, dst = (2, 2), (3, 3), (R, Shard(0)), SS
+    by_bytes = plan_redistribute(mesh, shape, src, dst, model=BYTES_ONLY)
+    one = plan_redistribute(mesh, shape, src, dst, model=CostModel(1.0))
+    assert one.cost == by_bytes.cost == 6
+    assert one.collectives() == [AG] and len(by_bytes.collectives()) == 2
+
+
+@pytest.mark.parametrize("shape", [(8, 64, 512), (8, 64, 2048)])
+def test_a_collective_the_walker_skips_pays_no_latency(shape) -> None:
+    # a mesh dim of one rank moves nothing and issues nothing, so the move on (2, 1, 2) issues
+    # what the same move on (2, 2) does: the large tensor reduce-scatters, all_to_alls the half
+    # and gathers it (parking the middle dim's shard costs nothing) rather than all-reducing it
+    plan = plan_redistribute((2, 1, 2), shape, (P, Shard(0), Shard(1)), (R, Shard(0), Shard(2)))
+    issued = [s.kind for s in plan.steps if s.kind.is_collective and s.mesh_dim != 1]
+    assert issued == plan_redistribute((2, 2), shape, (P, Shard(1)), (R, Shard(2))).collectives()
+    assert issued == ([A2A, AR] if shape[2] == 512 else [RS, A2A, AG])
+
+
 def test_local_geometry_tiles_the_tensor() -> None:
     mesh, shape = (2, 2), (8, 4)
     pl: tuple[Placement, ...] = (Shard(0), Shard(0))

@@ -11,7 +11,10 @@ the collectives each issued: on every case the planner's cost model must not pri
 the busiest rank above torch's, that is wire bytes (ring collectives: all_reduce sends 2(n-1)/n of
 its buffer, the others (n-1)/n; padding of uneven shards counts) plus a fixed latency per
 collective.  The counts of cases where ours moves more bytes or issues more collectives than torch
-are printed.  Values are multiples of
+are printed; more collectives than torch without fewer bytes fails the test.  Where the bytes-only
+model (``BYTES_ONLY``: fewest bytes whatever the number of calls) plans otherwise, the case runs a
+second time under it: its value must match too (large tensors take those plans), and its counts
+against torch are printed beside the latency model's.  Values are multiples of
 1/8 so that every sum is exact and the comparison can be bitwise whatever order a plan reduces in.
 
 Where torch is known to be wrong the reference is a float64 single-process computation instead:
@@ -31,7 +34,7 @@ import os
 import random
 from typing import Any
 
-from hp_dtensor.redistribute.planner import GLOO_CPU_LATENCY_BYTES
+from hp_dtensor.redistribute.planner import BYTES_ONLY, GLOO_CPU_LATENCY_BYTES, plan_redistribute
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 
 pool4 = rank_pool_fixture(4, timeout=240)
@@ -225,6 +228,28 @@ def _run_lib(lib: Any, dt_cls: Any, mesh: Any, case: dict[str, Any], local: Any,
     return out.to_local().detach(), full.detach(), x.grad
 
 
+def _bytes_only_run(hp: Any, dt_cls: Any, mesh: Any, case: dict[str, Any], local: Any) -> Any:
+    """``(local, full, CommDebugMode)`` of our redistribute planned by bytes alone, or ``None``
+    where that plan is the latency model's own (every rank decides alike: the plans are pure)."""
+    from hp_dtensor import CommDebugMode
+    from hp_dtensor.redistribute.planner import cost_model, set_cost_model
+
+    src, dst = tuple(_pl(hp, case["src"])), tuple(_pl(hp, case["dst"]))
+    args = (case["mesh"], case["shape"], src, dst, int(local.element_size()))
+    if plan_redistribute(*args, model=BYTES_ONLY).steps == plan_redistribute(*args).steps:
+        return None
+    comm = CommDebugMode()
+    before = cost_model()
+    set_cost_model(BYTES_ONLY)
+    try:
+        d = dt_cls.from_local(local.clone(), mesh, list(src), shape=case["shape"], stride=_strides(case["shape"]))
+        with comm:
+            out = d.redistribute(mesh, list(dst))
+        return out.to_local(), out.full_tensor(), comm
+    finally:
+        set_cost_model(before)
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
@@ -249,7 +274,7 @@ def _diff_batch(rank: int, world: int, seeds: list[int]) -> dict[str, Any]:
     stats: dict[str, Any] = {
         "cases": 0, "mismatches": [], "ours_bytes": 0, "torch_bytes": 0, "more_bytes": [],
         "torch_nan_gap": 0, "nan_cases": 0, "partial_convention": 0, "torch_refused": 0, "ours_refused": 0,
-        "uneven": 0, "count_diff": 0, "refusals": [], "bytes": [],
+        "uneven": 0, "count_diff": 0, "refusals": [], "bytes": [], "bytes_only": [],
     }
     for seed in seeds:
         case = _case(seed)
@@ -282,6 +307,14 @@ def _diff_batch(rank: int, world: int, seeds: list[int]) -> dict[str, Any]:
         if not _same(o_full, ref.float()):
             stats["mismatches"].append(f"{where}: full_tensor differs from the float64 reference")
             continue
+        alt = _bytes_only_run(hp, DTensor, ours_mesh, case, local)
+        if alt is not None:
+            if not (_same(alt[1], ref.float()) and _same(alt[0], o_local)):
+                stats["mismatches"].append(f"{where}: the bytes-only plan's result differs")
+                continue
+            alt_comm = alt[2]
+        else:
+            alt_comm = ours_comm
         if isinstance(t_local, Exception):
             stats["torch_refused"] += 1
             reason = str(t_local).split("\n")[0][:90]
@@ -309,6 +342,8 @@ def _diff_batch(rank: int, world: int, seeds: list[int]) -> dict[str, Any]:
         stats["torch_bytes"] += t_comm.bytes
         stats["bytes"].append((seed, ob, t_comm.bytes, wire_bytes(ours_comm.comm_log), wire_bytes(t_comm.log), where,
                                ours_comm.get_comm_counts(), t_comm.counts))
+        stats["bytes_only"].append((seed, wire_bytes(alt_comm.comm_log), sum(alt_comm.get_comm_counts().values()),
+                                    alt is not None))
         if ours_comm.get_comm_counts() != t_comm.counts:
             stats["count_diff"] += 1
     return stats
@@ -334,17 +369,29 @@ def test_redistribute_matches_torch(pool4: RankPool, capsys: Any) -> None:
     by_seed: dict[int, list[Any]] = {}
     for row in total["bytes"]:
         by_seed.setdefault(row[0], []).append(row)
-    more, more_bytes, more_calls = [], 0, 0
+    bytes_only: dict[int, list[Any]] = {}
+    for row in total["bytes_only"]:
+        bytes_only.setdefault(row[0], []).append(row)
+    more, more_bytes, more_calls, not_cheaper = [], 0, 0, []
     ours_wire = torch_wire = 0.0
     ours_calls = torch_calls = 0
-    for rows in by_seed.values():
+    b_calls = b_more_calls = b_not_cheaper = replanned = 0
+    for seed, rows in by_seed.items():
         o, t = max(r[3] for r in rows), max(r[4] for r in rows)
         oc, tc = max(sum(r[6].values()) for r in rows), max(sum(r[7].values()) for r in rows)
         ours_wire, torch_wire, ours_calls, torch_calls = ours_wire + o, torch_wire + t, ours_calls + oc, torch_calls + tc
         more_bytes += o > t + 1e-9
         more_calls += oc > tc
+        if oc > tc and o >= t - 1e-9:  # more calls must buy fewer bytes
+            not_cheaper.append(f"{rows[0][5]}: ours {rows[0][6]} {o:.0f} B, torch {rows[0][7]} {t:.0f} B")
         if o + oc * GLOO_CPU_LATENCY_BYTES > t + tc * GLOO_CPU_LATENCY_BYTES + 1e-9:
             more.append(f"{rows[0][5]}: ours {rows[0][6]} {o:.0f} B > torch {rows[0][7]} {t:.0f} B under the model")
+        alt = bytes_only[seed]
+        bo, bc = max(r[1] for r in alt), max(r[2] for r in alt)
+        replanned += alt[0][3]
+        b_calls += bc
+        b_more_calls += bc > tc
+        b_not_cheaper += bc > tc and bo >= t - 1e-9
     reasons: dict[str, int] = {}
     for r in total["refusals"]:
         reasons[r] = reasons.get(r, 0) + 1
@@ -355,7 +402,10 @@ def test_redistribute_matches_torch(pool4: RankPool, capsys: Any) -> None:
             f"(values, local shards, gradients, bytes): {len(by_seed)} cases; wire bytes on the busiest rank, summed "
             f"over cases: ours {ours_wire:.0f} vs torch {torch_wire:.0f} ({more_bytes} cases where ours is more); "
             f"collectives on the busiest rank: ours {ours_calls} vs torch {torch_calls} ({more_calls} cases where ours "
-            f"issues more); cases our plan costs more than torch's under the latency model: {len(more)}; "
+            f"issues more, {len(not_cheaper)} of them without fewer bytes); cases our plan costs more than torch's "
+            f"under the latency model: {len(more)}; planned by bytes alone ({replanned} cases plan otherwise, rerun "
+            f"and matched): collectives {b_calls}, {b_more_calls} cases with more than torch, {b_not_cheaper} of "
+            f"them without fewer bytes; "
             f"collective buffers summed over ranks: ours {total['ours_bytes']} vs torch {total['torch_bytes']}; "
             f"{total['count_diff']} rank-cases with other collective counts; torch refused {total['torch_refused'] // 4} "
             f"(reference only), we refused {total['ours_refused'] // 4}; NaN cases {total['nan_cases'] // 4} (torch "
@@ -364,8 +414,9 @@ def test_redistribute_matches_torch(pool4: RankPool, capsys: Any) -> None:
         )
         for r, c in sorted(reasons.items(), key=lambda x: -x[1]):
             print(f"   torch refused ({c // 4}x): {r}")
-        for line in total["mismatches"][:20] + more[:20]:
+        for line in total["mismatches"][:20] + more[:20] + not_cheaper[:20]:
             print("  ", line)
     assert cases >= min(n, 500)
     assert not total["mismatches"]
+    assert not not_cheaper
     assert not more

@@ -20,7 +20,8 @@ Replicate -> Partial   local            0
 included.  The order of steps across mesh dims matters ([P, S] -> [R, R] reduces the small shard
 before gathering).  Each collective also pays a fixed latency (``CostModel``): a plan with more
 collectives wins only when the bytes it saves outweigh their start-up cost, so small tensors move
-in as few collectives as torch uses and large ones take the byte-cheapest route.  Dijkstra over
+in as few collectives as torch uses and large ones take the byte-cheapest route.  A step the walker
+skips (a mesh dim of one rank, an empty block) issues nothing and pays no latency.  Dijkstra over
 states picks the minimum total; a small per-step charge prefers shorter plans among equals.  Mesh dims shard a tensor dim in mesh order, so a step on mesh dim k
 may only touch tensor dim d when no later mesh dim currently shards d.  Partials of different
 reduce ops on one tensor are refused (max does not commute with sum), except sum with avg, which
@@ -44,9 +45,10 @@ _STEP_CHARGE = 1e-3  # tie-breaker, in elements
 
 # The fixed cost of one collective, in bytes a rank could have sent in the same time, fitted by
 # ``benchmarks/redistribute_latency.py`` (t = latency + bytes / bandwidth per collective kind).
-# On 2-core CPU machines with gloo, groups of 2 measured 0.2-1.0 MB and groups of 4 1.2-3.3 MB
-# under load; the constant takes the low end so that the planner trades bytes for fewer calls
-# only where the measurement is unambiguous.
+# On 2-core CPU machines with gloo under load (two runs), the fits ranged 0.16-1.3 MB on groups
+# of 2 and 0.7-5.7 MB on groups of 4 (medians over the kinds 0.32-0.39 MB on 2 ranks, 0.48-0.84
+# MB on 4).  The constant sits near the low end: a plan keeps fewer collectives only where every
+# fit says the bytes it gives up cost less than the calls it saves.  ``set_cost_model`` overrides it.
 GLOO_CPU_LATENCY_BYTES = 262_144.0
 
 
@@ -263,7 +265,10 @@ def _plan(
                     continue
                 numel = padded_step_numel(local, kind, mesh_shape[k], cur, nxt)
                 elements = step_cost(kind, mesh_shape[k], numel)
-                new_cost = cost + elements + _STEP_CHARGE + (latency if kind.is_collective else 0.0)
+                # the latency is paid only by a collective the walker really issues: it skips
+                # steps on a mesh dim of one rank and groups whose (padded) block is empty
+                issued = kind.is_collective and mesh_shape[k] > 1 and numel > 0
+                new_cost = cost + elements + _STEP_CHARGE + (latency if issued else 0.0)
                 if new_cost < best.get(new_state, math.inf):
                     best[new_state] = new_cost
                     step = PlanStep(k, kind, cur, nxt)
