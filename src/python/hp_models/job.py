@@ -385,34 +385,11 @@ def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
 
 
 def _check_features(layout: TrainLayout) -> None:
-    """Trainer features this layout cannot run: activation checkpointing under context parallelism
-    or of the mixture-of-experts model; mixed precision under context parallelism or of the
-    mixture-of-experts model, or without data-parallel sharding (``fully_shard`` applies it)."""
-    ac = layout.activation_checkpoint.mode
+    """Mixed precision without data-parallel sharding: refused (``fully_shard`` applies it)."""
     mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
-    if ac is not ActivationCheckpointMode.NONE:
-        # under context parallelism the token mixers read the batch's document ends from state that
-        # is cleared after forward, so a recomputation in backward would not see them
-        paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
-                                       ("a mixture-of-experts model", layout.moe is not None)) if on]
-        if paths:
-            raise ValueError(
-                f"activation_checkpoint.mode {ac.value} with {' and '.join(paths)}: not built in this trainer yet; "
-                f"set activation_checkpoint.mode: none (--activation-checkpoint none)"
-            )
-    if not mixed:
-        return
-    what = f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}"
-    paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
-                                   ("a mixture-of-experts model", layout.moe is not None)) if on]
-    if paths:
+    if mixed and not layout.uses_fsdp:
         raise ValueError(
-            f"{what} with {' and '.join(paths)}: mixed precision is not built in this trainer's "
-            f"{'/'.join(paths)} path yet; use float32 (--mixed-precision none)"
-        )
-    if not layout.uses_fsdp:
-        raise ValueError(
-            f"{what}: mixed precision is "
+            f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}: mixed precision is "
             f"applied by fully_shard, and this layout has no data-parallel sharding ({layout.describe()}); add "
             f"data-parallel ranks (e.g. --dp-shard 2 with --nproc = 2 * tp), or use float32 (--mixed-precision none)"
         )
