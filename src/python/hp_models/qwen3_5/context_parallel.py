@@ -31,7 +31,14 @@ import torch.nn.functional as F
 
 from hp_cp import ContextParallel, document_ids
 from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state, compute_dtype, upcast
-from hp_models.qwen3_5.model import Attention, DecoderLayer, GatedDeltaNet, Qwen3_5ForCausalLM, TextModel, local
+from hp_models.qwen3_5.model import (
+    Attention,
+    DecoderLayer,
+    GatedDeltaNet,
+    Qwen3_5ForCausalLM,
+    TextModel,
+    local,
+)
 
 
 def _conv_chunk(xin: torch.Tensor, doc: torch.Tensor, weight: torch.Tensor, halo: int) -> torch.Tensor:
