@@ -10,8 +10,11 @@ bf16 weights and activations in the blocks, float32 logits, master parameters an
 dp_shard=4 (tp=1) the bytes ``fully_shard`` all-gathers halve under bf16 parameters, while the
 reduce-scatter keeps float32 unless ``reduce_dtype`` is bfloat16 too (counted by CommDebugMode).
 pp=2 x dp_shard=2 under bf16 equals the same reference: the stages exchange bf16 activations and
-the last stage's logits are cast to float32 for the loss.  Mixed precision without data-parallel
-sharding, or under context parallelism, is refused before any rank starts."""
+the last stage's logits are cast to float32 for the loss.  Context parallelism (colossal cp=2 x
+dp_shard=2) and expert parallelism (the tiny MoE model at ep=2 x tp=2 x dp_shard=2) under bf16
+equal the same casts on one process (for the MoE model per forward of the run's local batch, the
+router loss included) within one bf16 ulp, with bf16 compute and float32 master weights and
+gradients.  Mixed precision without data-parallel sharding is refused before any rank starts."""
 
 from __future__ import annotations
 
@@ -44,33 +47,50 @@ training:
 LOSS_RTOL = 2**-8
 
 
-def _reference(steps: int, batch: int, seq_len: int, lr: float, *, bf16: bool = True) -> list[float]:
+def _reference(steps: int, batch: int, seq_len: int, lr: float, *, bf16: bool = True, moe: bool = False,
+               per_forward: int | None = None) -> list[float]:
     """Plain torch on one process with FSDP2's mixed-precision casts applied by hand (``bf16``),
-    or in float32 throughout."""
+    or in float32 throughout; the tiny model, or the tiny MoE model (``moe``: its loss adds the
+    weighted router loss).  Each step's batch runs in forwards of ``per_forward`` rows (default:
+    one forward), each gradient cast to float32 and added there (the reduction's dtype)."""
     import torch
     import torch.nn.functional as F
 
     from hp_models import synthetic
     from hp_models.qwen3_5 import tiny_config
+    from hp_models.qwen3_5_moe import tiny_moe_config
 
-    cfg = tiny_config()
+    cfg = tiny_moe_config() if moe else tiny_config()
     torch.manual_seed(0)
     master = cfg.build()
     master.init_weights()
     opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.0)
+    rows = per_forward or batch
+    forwards = batch // rows
     losses = []
     for step in range(steps):
         ids, tgt = synthetic.batch(0, step, batch, seq_len, cfg.vocab_size)
         work = copy.deepcopy(master)  # the all-gathered parameters, in param_dtype (buffers as they are)
         for p in work.parameters():
             p.data = p.data.to(torch.bfloat16 if bf16 else torch.float32)
-        loss = F.cross_entropy(work(ids).float().flatten(0, 1), tgt.flatten())
-        loss.backward()
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        total = 0.0
+        for k in range(forwards):
+            part = slice(k * rows, (k + 1) * rows)
+            loss = F.cross_entropy(work(ids[part]).float().flatten(0, 1), tgt[part].flatten())
+            if moe:
+                loss = loss + cfg.router_aux_loss_coef * work.aux_loss()
+            (loss / forwards).backward()
+            for g, w in zip(grads, work.parameters()):
+                if w.grad is not None:
+                    g += w.grad.float()  # reduced in float32
+                    w.grad = None
+            total += loss.item()
         opt.zero_grad()
-        for p, w in zip(master.parameters(), work.parameters()):
-            p.grad = w.grad.float()  # reduced in float32, stepped on the float32 master weights
+        for p, g in zip(master.parameters(), grads):
+            p.grad = g  # stepped on the float32 master weights
         opt.step()
-        losses.append(loss.item())
+        losses.append(total / forwards)
     return losses
 
 
@@ -88,13 +108,15 @@ def _dtypes_seen(args: Any, layout: Any, config: Any) -> dict[str, Any]:
 
     model, dp_rank = train.build_model(args, layout, config, distributed=True)
     seen: dict[str, str] = {}
-    mlp = model.model.layers[0].mlp.down_proj
+    block = model.model.layers[0].mlp
+    mlp = block.down_proj if hasattr(block, "down_proj") else block.shared_expert.down_proj
 
     def record(module: Any, inputs: Any, output: Any) -> None:
         seen.update(mlp_input=str(inputs[0].dtype), mlp_weight=str(module.weight.dtype))
 
     mlp.register_forward_hook(record)
     model.register_forward_hook(lambda _m, _i, out: seen.update(logits=str(out.dtype)))
+    model.model.layers[0].mlp.register_forward_hook(lambda _m, i, _o: seen.update(layer_input=str(i[0].dtype)))
     ids, tgt = synthetic.batch(args.seed, 0, layout.global_batch_size, args.seq_len, config.vocab_size)
     train.train_step(model, layout, dp_rank, ids, tgt, tp_loss=layout.tp > 1)
     seen["master"] = ",".join(sorted({str(p.dtype) for p in model.parameters()}))
@@ -125,6 +147,48 @@ def test_bf16_fsdp_tp_matches_one_process_casts(pool4: RankPool, tmp_path: Path)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL, atol=0.0)
     # it trains: each step draws a new batch, so the losses are noisy; compare the ends' means
     assert sum(got[-3:]) / 3 < sum(got[:3]) / 3 - 0.5, got
+
+
+CP2 = """
+model: {use_attn_mask_compression: true}
+parallelism: {data_parallel_shard: 2, context_parallel: 2, tensor_parallel: 1}
+training: {global_batch_size: 8, local_batch_size: 4, param_dtype: bfloat16}
+"""
+EP2 = """
+parallelism: {tensor_parallel: 2, expert_parallel: 2, disable_gradient_division: false}
+training: {global_batch_size: 8, local_batch_size: 4, param_dtype: bfloat16}
+"""
+CP_EP_STEPS = 6
+
+
+@pytest.mark.parametrize("job,flags,layout,moe", [
+    (CP2, [], {"cp": 2, "dp_shard": 2, "accumulation_steps": 1}, False),
+    (EP2, ["--config", "tiny-moe"], {"ep": 2, "tp": 2, "dp_shard": 2, "efsdp": 2, "accumulation_steps": 1}, True),
+], ids=["cp2-dp2", "ep2-tp2-dp2-moe"])
+def test_bf16_cp_and_ep_match_one_process_casts(pool4: RankPool, job: str, flags: list[str],
+                                                layout: dict[str, Any], moe: bool, tmp_path: Path) -> None:
+    import torch
+
+    path = tmp_path / "job.yaml"
+    path.write_text(job)
+    argv = ["--job", str(path), "--nproc", "4", "--out-dir", str(tmp_path), *flags, *SHORT,
+            "--steps", str(CP_EP_STEPS)]
+    res = pool4.run(_train, argv, timeout=300)
+    got = res[0]["losses"]
+    assert all(r["losses"] == got for r in res)
+    assert all(res[0]["layout"][k] == v for k, v in layout.items()) and res[0]["layout"]["param_dtype"] == "bfloat16"
+    for r in res:  # bf16 compute in the blocks (the MoE block's input), float32 master weights, gradients, logits
+        assert {k: r[k] for k in ("master", "grads", "mlp_weight", "mlp_input", "layer_input", "logits")} == {
+            "master": "torch.float32", "grads": "torch.float32", "mlp_weight": "torch.bfloat16",
+            "mlp_input": "torch.bfloat16", "layer_input": "torch.bfloat16", "logits": "torch.float32"}, r
+    want = _reference(CP_EP_STEPS, 8, SEQ, LR, moe=moe, per_forward=4 if moe else None)
+    fp32 = _reference(CP_EP_STEPS, 8, SEQ, LR, bf16=False, moe=moe, per_forward=4 if moe else None)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    print(f"\nbf16 {'/'.join(f'{k}={v}' for k, v in layout.items())}, {CP_EP_STEPS} steps: "
+          f"{[round(x, 4) for x in got]}\n  1-process bf16 casts: {[round(x, 4) for x in want]}\n"
+          f"  max rel diff {worst:.2e} (vs 1-process float32: "
+          f"{max(abs(a - b) / abs(b) for a, b in zip(got, fp32)):.2e})")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL, atol=0.0)
 
 
 def _train_pp(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
@@ -225,14 +289,10 @@ def test_bf16_halves_fsdp_gather_bytes(pool4: RankPool, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv,words", [
     (["--mixed-precision", "bf16"], ["param_dtype bfloat16", "no data-parallel sharding", "tp=2", "--dp-shard 2"]),
-    (["--mixed-precision", "bf16", "--dp-shard", "2", "--nproc", "4", "--cp", "2", "--tp", "1"],
-     ["param_dtype bfloat16", "context_parallel > 1", "not built"]),
-], ids=["no-dp-sharding", "cp"])
+    (["--mixed-precision", "bf16", "--config", "tiny-moe", "--tp", "4", "--ep", "2", "--nproc", "4"],
+     ["param_dtype bfloat16", "no data-parallel sharding", "ep=2"]),
+], ids=["no-dp-sharding", "moe-no-dp-sharding"])
 def test_bad_settings_fail_before_any_rank_starts(argv, words, tmp_path: Path) -> None:
-    job = tmp_path / "causal.yaml"  # context parallelism needs the compressed causal mask
-    job.write_text("model:\n  use_attn_mask_compression: true\n")
-    if "--cp" in argv:
-        argv = ["--job", str(job), *argv]
     with pytest.raises(SystemExit) as info:
         train.main([*argv, "--out-dir", str(tmp_path / "out")])
     msg = str(info.value.code)

@@ -27,7 +27,8 @@ def worst_difference(got: list[float], want: list[float]) -> float:
 
 
 def plain_torch_run(steps: int, batch: int, seq_len: int, lr_at: Callable[[int], float],
-                    max_norm: float | None, seed: int = 0) -> dict[str, Any]:
+                    max_norm: float | None, seed: int = 0,
+                    betas: tuple[float, float] = (0.9, 0.999)) -> dict[str, Any]:
     """Plain torch on one process, written independently of the trainer: the tiny model as the
     trainer seeds it, AdamW with the learning rate ``lr_at(step)`` of each step, the mean loss over
     each whole synthetic batch, and ``torch.nn.utils.clip_grad_norm_`` to ``max_norm`` (None: the
@@ -43,7 +44,7 @@ def plain_torch_run(steps: int, batch: int, seq_len: int, lr_at: Callable[[int],
     torch.manual_seed(seed)
     model = cfg.build()
     model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr_at(0), betas=betas, weight_decay=0.0)
     losses, norms, first_grads = [], [], {}
     for step in range(steps):
         ids, tgt = synthetic.batch(seed, step, batch, seq_len, cfg.vocab_size)

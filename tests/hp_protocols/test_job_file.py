@@ -66,12 +66,16 @@ def test_dynamic_graph_file_is_read_and_the_rest_named() -> None:
     assert (job.model.num_hidden_layers, job.model.num_attention_heads) == (4, 8)
     assert job.data.create_compressed_eod_mask and not job.data.create_attention_mask
     assert job.ignored == (
-        "checkpoint", "context", "lr_scheduler", "model.hidden_size", "model.model_type", "optimizer",
+        "checkpoint", "context", "model.hidden_size", "model.model_type",
         "train_dataset.dataloader.config.eod", "train_dataset.dataloader.config.reset_attention_mask",
         "train_dataset.dataloader.config.seq_length", "train_dataset.dataloader.sizes",
         "train_dataset.dataloader.type", "train_dataset.num_parallel_workers", "training.max_norm",
         "training.seed", "training.steps",
     )
+    # optimizer: and lr_scheduler: (the dynamic-graph name) are read as training fields
+    t = job.training
+    assert (t.adam_betas, t.adam_eps, t.weight_decay, t.learning_rate) == ((0.9, 0.95), 1e-8, 0.01, 1e-5)
+    assert (t.lr_decay, t.lr_warmup_ratio) == ("none", 0.0)
     d = job.resolve(8)  # the EOD compression satisfies the CP rule
     assert (d.dp_shard, d.cp, d.tp, d.num_accumulation_steps) == (2, 2, 2, 4)
 
@@ -80,11 +84,12 @@ def test_static_graph_file_reads_model_config() -> None:
     job = JobConfig.from_yaml(textwrap.dedent(STATIC))
     assert (job.model.num_hidden_layers, job.model.num_attention_heads, job.model.use_attn_mask_compression) == (
         4, 8, True)
-    assert job.ignored == ("callbacks", "lr_schedule", "model.arch", "model.model_config.type",
+    assert (job.training.lr_decay, job.training.learning_rate) == ("cosine", 1e-5)
+    assert job.ignored == ("callbacks", "model.arch", "model.model_config.type",
                            "model.model_config.use_eod_attn_mask_compression", "run_mode", "runner_config")
     assert job.resolve(8).dp_replicate == 2
     assert describe_ignored(job.ignored) == (
-        "not read by this trainer, ignored: section(s) callbacks, lr_schedule, run_mode, runner_config; "
+        "not read by this trainer, ignored: section(s) callbacks, run_mode, runner_config; "
         "model: arch; model.model_config: type, use_eod_attn_mask_compression")
 
 
@@ -121,6 +126,77 @@ def test_misspelt_or_refused_keys_raise_naming_them(text: str, words: list[str])
 def test_only_what_is_read_is_canonical() -> None:
     parts = split(STATIC)
     assert parts.canonical() == {
-        "parallelism": {"data_parallel_shard": 2, "context_parallel": 2}, "training": {},
+        "parallelism": {"data_parallel_shard": 2, "context_parallel": 2},
+        "training": {"lr_decay": "cosine", "learning_rate": 1e-5},
         "model": {"num_hidden_layers": 4, "num_attention_heads": 8, "use_attn_mask_compression": True},
     }
+
+
+# ---------------------------------------------------------------- optimizer: and lr_schedule:
+@pytest.mark.parametrize("text,want", [
+    # the brief's cosine example: a ratio of the run's steps (total_steps -1), known when it starts
+    ("lr_schedule: {type: CosineWithWarmUpLR, learning_rate: 1.e-5, lr_end: 1.e-6, warmup_ratio: 0.01, "
+     "warmup_steps: 0, total_steps: -1}",
+     {"lr_decay": "cosine", "learning_rate": 1e-5, "lr_min": 1e-6, "lr_warmup_ratio": 0.01}),
+    # total_steps given: the warmup is int(ratio * total) (MindFormers' rounding), the decay ends at total
+    ("lr_schedule: {type: LinearWithWarmUpLR, learning_rate: 0.02, warmup_ratio: 0.25, total_steps: 10}",
+     {"lr_decay": "linear", "learning_rate": 0.02, "lr_warmup_steps": 2, "lr_decay_steps": 8}),
+    ("lr_scheduler: {type: ConstantWarmUpLR, learning_rate: 3.e-3, warmup_steps: 4, total_steps: 100, "
+     "warmup_lr_init: 0.}",
+     {"lr_decay": "none", "learning_rate": 3e-3, "lr_warmup_steps": 4}),
+    ("optimizer: {type: AdamW, betas: [0.9, 0.95], eps: 1.e-6, weight_decay: 0.1, learning_rate: 5.e-4}",
+     {"adam_betas": (0.9, 0.95), "adam_eps": 1e-6, "weight_decay": 0.1, "learning_rate": 5e-4}),
+    ("optimizer: {type: adamw, learning_rate: 1.e-3}\nlr_schedule: {type: CosineWithWarmUpLR, learning_rate: 1.e-3}",
+     {"learning_rate": 1e-3, "lr_decay": "cosine"}),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_steps: 2}\ntraining: {lr_warmup_steps: 2}",
+     {"lr_decay": "cosine", "lr_warmup_steps": 2}),
+], ids=["cosine-ratio", "linear-total", "constant-scheduler", "adamw", "same-lr-twice", "same-warmup-twice"])
+def test_optimizer_and_schedule_sections_map_onto_training(text: str, want: dict[str, Any]) -> None:
+    assert split(text).training == want
+    job = JobConfig.from_yaml(text)
+    assert all(getattr(job.training, k) == v for k, v in want.items())
+
+
+@pytest.mark.parametrize("text,words", [
+    ("lr_schedule: {type: CosineWithWarmUpLR, learning_rate: -1.e-5}",
+     ["lr_schedule.learning_rate must be a number > 0, got -1e-05"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_ratio: 1.5}",
+     ["lr_schedule.warmup_ratio must be a number in [0, 1]", "1.5"]),
+    ("lr_schedule: {type: PolynomialWithWarmUpLR}",
+     ["lr_schedule.type 'PolynomialWithWarmUpLR' is not supported",
+      "['CosineWithWarmUpLR', 'LinearWithWarmUpLR', 'ConstantWarmUpLR']"]),
+    ("lr_schedule: {type: CosinWithWarmUpLR}", ["did you mean 'CosineWithWarmUpLR'?"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_step: 3}",
+     ["'warmup_step' (did you mean 'warmup_steps'?)", "in lr_schedule"]),
+    ("lr_scheduler: {type: CosineWithWarmUpLR, lr_ends: 0.1}", ["'lr_ends' (did you mean 'lr_end'?)", "lr_scheduler"]),
+    ("lr_schedule: {learning_rate: 0.1}", ["lr_schedule.type is missing", "CosineWithWarmUpLR"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_steps: 3, warmup_ratio: 0.1}",
+     ["both warmup_steps 3 and warmup_ratio 0.1"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_steps: 5, total_steps: 5}",
+     ["total_steps 5 leaves no step after the warmup of 5"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, total_steps: 0}", ["total_steps must be a positive int or -1"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, num_cycles: 1.0}", ["lr_schedule.num_cycles 1.0 is not built"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR, warmup_lr_init: 1.e-7}", ["warmup_lr_init 1e-07 is not built"]),
+    ("lr_schedule: {type: ConstantWarmUpLR, lr_end: 0.1}", ["lr_end 0.1 with type ConstantWarmUpLR"]),
+    ("lr_schedule: {type: CosineWithWarmUpLR}\nlr_scheduler: {type: CosineWithWarmUpLR}",
+     ["both lr_schedule: and lr_scheduler:"]),
+    ("optimizer: {type: SGD}", ["optimizer.type 'SGD' is not supported", "['AdamW']"]),
+    ("optimizer: {type: AdamW, beta: [0.9, 0.95]}", ["'beta' (did you mean 'betas'?)", "in optimizer"]),
+    ("optimizer: {type: AdamW, betas: [0.9, 1.5]}", ["optimizer.betas must be two numbers in [0, 1)"]),
+    ("optimizer: {type: AdamW, eps: 0}", ["optimizer.eps must be a number > 0"]),
+    ("optimizer: {type: AdamW, weight_decay: -0.1}", ["optimizer.weight_decay must be a number >= 0"]),
+    ("optimizer: {type: AdamW, learning_rate: 0.1}\nlr_schedule: {type: ConstantWarmUpLR, learning_rate: 0.2}",
+     ["learning_rate twice", "0.1", "0.2"]),
+    ("training: {lr_warmup_steps: 3}\nlr_schedule: {type: ConstantWarmUpLR, warmup_steps: 4}",
+     ["training.lr_warmup_steps 3", "4", "keep one"]),
+    ("lr_shedule: {type: ConstantWarmUpLR}", ["unknown section 'lr_shedule'", "did you mean 'lr_schedule'"]),
+    ("training: {learning_rate: -3}", ["learning_rate must be a number > 0, got -3"]),
+], ids=["negative-lr", "ratio-above-1", "unknown-type", "type-typo", "key-typo", "scheduler-key-typo",
+        "no-type", "steps-and-ratio", "no-decay-left", "total-zero", "num-cycles", "warmup-lr-init",
+        "constant-lr-end", "both-names", "sgd", "betas-typo", "beta-range", "eps", "weight-decay",
+        "two-lrs", "schedule-vs-training", "section-typo", "training-lr"])
+def test_bad_optimizer_or_schedule_raises_naming_it(text: str, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        JobConfig.from_yaml(text).resolve(1)
+    msg = str(info.value)
+    assert all(w in msg for w in words), msg

@@ -29,6 +29,7 @@ from hp_protocols.parallelism import ParallelDims, TrainingConfig, job_file_part
 
 DEFAULT_GLOBAL_BATCH_SIZE = 8
 DEFAULT_TP = 2  # without a job file: the README's main job
+DEFAULT_LR = 3e-3  # the peak learning rate without --lr or a job file's learning_rate
 
 @dataclass(frozen=True)
 class Overrides:
@@ -44,6 +45,7 @@ class Overrides:
     activation_checkpoint: ActivationCheckpointMode | None = None  # --activation-checkpoint
     ac_every: int | None = None  # --ac-every: selective_ac_option
     param_dtype: FloatDType | None = None  # --mixed-precision (bf16: bfloat16, none: float32)
+    lr: float | None = None  # --lr: the job's learning_rate
     lr_warmup_steps: int | None = None
     lr_decay: str | None = None
     lr_decay_steps: int | None = None
@@ -57,18 +59,28 @@ _OPTIM_FIELDS = ("lr_warmup_steps", "lr_decay", "lr_decay_steps", "lr_min", "max
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """The job's learning-rate schedule and gradient clipping (validated; see ``TrainingConfig``)."""
+    """The job's learning-rate schedule, gradient clipping and AdamW settings (validated; see
+    ``TrainingConfig``)."""
 
     warmup_steps: int = 0
     decay: LRDecay = LRDecay.NONE
     decay_steps: int | None = None  # None: from the end of the warmup to the end of the run
     lr_min: float = 0.0
     max_grad_norm: float | None = None  # None: the gradients are not clipped
+    lr: float = DEFAULT_LR  # the peak learning rate
+    warmup_ratio: float | None = None  # the warmup as a share of the run's steps (instead of warmup_steps)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
 
     @classmethod
     def of(cls, t: TrainingConfig) -> OptimSettings:
         return cls(warmup_steps=t.lr_warmup_steps, decay=LRDecay.parse(t.lr_decay), decay_steps=t.lr_decay_steps,
-                   lr_min=float(t.lr_min), max_grad_norm=None if t.max_grad_norm is None else float(t.max_grad_norm))
+                   lr_min=float(t.lr_min), max_grad_norm=None if t.max_grad_norm is None else float(t.max_grad_norm),
+                   lr=DEFAULT_LR if t.learning_rate is None else float(t.learning_rate),
+                   warmup_ratio=None if t.lr_warmup_ratio is None else float(t.lr_warmup_ratio),
+                   betas=(float(t.adam_betas[0]), float(t.adam_betas[1])), eps=float(t.adam_eps),
+                   weight_decay=float(t.weight_decay))
 
 
 @dataclass(frozen=True)
@@ -286,6 +298,10 @@ def plan(
     for name in _OPTIM_FIELDS:
         if getattr(overrides, name) is not None:
             train[name] = getattr(overrides, name)
+    if overrides.lr_warmup_steps is not None:
+        train.pop("lr_warmup_ratio", None)  # the flag sets the warmup, whichever way the job gave it
+    if overrides.lr is not None:
+        train["learning_rate"] = overrides.lr
     train.setdefault("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
     if overrides.param_dtype is not None:
         train["param_dtype"] = overrides.param_dtype.value
@@ -369,34 +385,11 @@ def _ac_section(raw: Any, overrides: Overrides) -> dict[str, Any]:
 
 
 def _check_features(layout: TrainLayout) -> None:
-    """Trainer features this layout cannot run: activation checkpointing under context parallelism
-    or of the mixture-of-experts model; mixed precision under context parallelism or of the
-    mixture-of-experts model, or without data-parallel sharding (``fully_shard`` applies it)."""
-    ac = layout.activation_checkpoint.mode
+    """Mixed precision without data-parallel sharding: refused (``fully_shard`` applies it)."""
     mixed = layout.param_dtype is not FloatDType.FLOAT32 or layout.reduce_dtype is not FloatDType.FLOAT32
-    if ac is not ActivationCheckpointMode.NONE:
-        # under context parallelism the token mixers read the batch's document ends from state that
-        # is cleared after forward, so a recomputation in backward would not see them
-        paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
-                                       ("a mixture-of-experts model", layout.moe is not None)) if on]
-        if paths:
-            raise ValueError(
-                f"activation_checkpoint.mode {ac.value} with {' and '.join(paths)}: not built in this trainer yet; "
-                f"set activation_checkpoint.mode: none (--activation-checkpoint none)"
-            )
-    if not mixed:
-        return
-    what = f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}"
-    paths = [name for name, on in (("context_parallel > 1", layout.cp > 1),
-                                   ("a mixture-of-experts model", layout.moe is not None)) if on]
-    if paths:
+    if mixed and not layout.uses_fsdp:
         raise ValueError(
-            f"{what} with {' and '.join(paths)}: mixed precision is not built in this trainer's "
-            f"{'/'.join(paths)} path yet; use float32 (--mixed-precision none)"
-        )
-    if not layout.uses_fsdp:
-        raise ValueError(
-            f"{what}: mixed precision is "
+            f"param_dtype {layout.param_dtype.value} / reduce_dtype {layout.reduce_dtype.value}: mixed precision is "
             f"applied by fully_shard, and this layout has no data-parallel sharding ({layout.describe()}); add "
             f"data-parallel ranks (e.g. --dp-shard 2 with --nproc = 2 * tp), or use float32 (--mixed-precision none)"
         )

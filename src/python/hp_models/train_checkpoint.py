@@ -42,21 +42,27 @@ from hp_dtensor.platform.torch.collectives import all_gather_object
 # Settings that make a run: a checkpoint continues only a run with the same ones.  (The layout,
 # the number of steps and the checkpoint cadence may change between a save and a resume.)
 RUN_KEYS = ("seed", "lr", "seq_len", "global_batch_size", "optimizer", "weight_decay", "model", "lr_schedule",
-            "max_grad_norm")
+            "max_grad_norm", "adam_betas", "adam_eps")
 
 
 def run_settings(*, seed: int, lr: float, seq_len: int, global_batch_size: int, model: dict[str, Any],
                  optimizer: str = "AdamW", weight_decay: float = 0.0, lr_schedule: dict[str, Any] | None = None,
-                 max_grad_norm: float | None = None) -> dict[str, Any]:
+                 max_grad_norm: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.999),
+                 adam_eps: float = 1e-8) -> dict[str, Any]:
     """The settings a resumed run must share with the run that saved (as JSON keeps them).
-    ``lr_schedule`` (a schedule other than a constant rate) and ``max_grad_norm`` are recorded
-    only when given, so runs without them keep the settings they had."""
+    ``lr_schedule`` (a schedule other than a constant rate), ``max_grad_norm`` and AdamW's betas
+    and eps other than torch's defaults are recorded only when given, so runs without them keep
+    the settings they had."""
     run: dict[str, Any] = {"seed": seed, "lr": lr, "seq_len": seq_len, "global_batch_size": global_batch_size,
                            "optimizer": optimizer, "weight_decay": weight_decay, "model": model}
     if lr_schedule is not None:
         run["lr_schedule"] = lr_schedule
     if max_grad_norm is not None:
         run["max_grad_norm"] = max_grad_norm
+    if tuple(adam_betas) != (0.9, 0.999):
+        run["adam_betas"] = list(adam_betas)
+    if adam_eps != 1e-8:
+        run["adam_eps"] = adam_eps
     return json.loads(json.dumps(run))  # type: ignore[no-any-return]
 
 

@@ -6,7 +6,8 @@ Ulysses cannot split, chunks shorter than the Gated DeltaNet convolution's reach
 
 ``ContextParallelModel`` builds the seeded whole model on the ranks: the tensor-parallel plan
 (sequence parallelism is ignored under CP, with a warning), then ``parallelize_qwen3_5_cp`` over
-the CP mesh, then FSDP over ``dp_shard * cp`` (``fsdp``, also when ``dp_shard`` is 1: the CP
+the CP mesh, then the job's activation checkpointing, then FSDP (with the job's mixed precision)
+over ``dp_shard * cp`` (``fsdp``, also when ``dp_shard`` is 1: the CP
 ranks shard the parameters too, and the reduce-scatter sums each CP rank's share of the
 gradient).  Its ``train_step`` splits each micro-step's rows along the sequence, passes the
 compressed EOD mask (``actual_seq_len``, found from the EOD tokens) when the data are packed, and
@@ -29,7 +30,9 @@ from torch import nn
 
 from hp_cp import ContextParallel, CPMethod, MaskCompression, actual_seq_len_from_eod, check_seq_len
 from hp_dtensor import DeviceMesh, init_device_mesh
+from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
+from hp_models.mixed_precision import fsdp_policy, logits_in_float32
 from hp_models.qwen3_5 import (
     Qwen3_5Config,
     apply_fsdp_qwen3_5,
@@ -128,9 +131,12 @@ class ContextParallelModel(nn.Module):
                     warnings.simplefilter("ignore", UserWarning)
                 parallelize_qwen3_5_tp(model, dense["tp"], loss_parallel=False, context_parallel=dims.cp)
         parallelize_qwen3_5_cp(model, self.cp)
+        checkpoint_model_blocks(model, layout)  # after TP and CP (both recomputed), before FSDP
         dp_mesh = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
         apply_fsdp_qwen3_5(model, dp_mesh, reshard_after_forward=dims.reshard_after_forward,
-                           sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
+                           sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
+                           mp_policy=fsdp_policy(layout))
+        logits_in_float32(model, layout)
         if not layout.sum_gradients:
             # average over the data-parallel ranks only: each CP rank holds a share of one gradient
             model.set_gradient_divide_factor(float(layout.dp))

@@ -2,7 +2,8 @@
 
 ``--config tiny-moe`` (or a ``qwen3_5_moe`` config.json) trains the MoE model; ``expert_parallel``
 (``--ep``) spreads its routed experts over that many ranks.  The model is built on two meshes from
-the job's sizes: the dense mesh ``[pp, dp_replicate, fsdp, tp]`` for everything but the routed
+the job's sizes (with the job's activation checkpointing of the decoder layers and its mixed
+precision, as the dense model): the dense mesh ``[pp, dp_replicate, fsdp, tp]`` for everything but the routed
 experts (tensor parallel with sequence parallel, as the dense model) and the sparse mesh
 ``[pp, dp_replicate, efsdp, ep]`` (``efsdp = dp_shard * tp // ep``) for the experts: sharded
 over ``ep`` with tokens dispatched to them by all-to-all, and fully sharded over ``efsdp``, which
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
+from hp_models.mixed_precision import fsdp_policy, logits_in_float32
 from hp_models.qwen3_5 import Qwen3_5Config
 from hp_models.qwen3_5.model import local
 from hp_models.qwen3_5_moe import Qwen3_5MoeConfig, tiny_moe_config
@@ -127,6 +130,7 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     model.init_weights()
     model.expert_load = ExpertLoad(config.num_hidden_layers, config.num_experts)
     if not distributed:
+        checkpoint_model_blocks(model, layout)
         return model, 0
     from hp_dtensor import init_device_mesh
     from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
@@ -143,9 +147,14 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None,
                             ep_mesh=sparse["ep"] if dims.ep > 1 else None,
                             dispatcher=moe.dispatcher, npu_nums_per_device=moe.npu_nums_per_device)
+    # after TP and EP (their collectives, the token all-to-alls included, rerun in the
+    # recomputation on every rank in the same order), before FSDP
+    checkpoint_model_blocks(model, layout)
     if dims.dp_shard > 1 or dims.efsdp > 1:
         apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"], reshard_after_forward=dims.reshard_after_forward,
-                               sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload)
+                               sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
+                               mp_policy=fsdp_policy(layout))
+        logits_in_float32(model, layout)
     return model, coord[1] * dims.dp_shard + coord[2]
 
 

@@ -1,7 +1,7 @@
 """Which parts of a whole MindFormers job file the parallelism config reads, and which it ignores.
 
 A MindFormers job file holds many sections (``model``, ``train_dataset``, ``training``,
-``parallelism``, ``optimizer``, ``lr_scheduler``, ``context``, ``callbacks``, ``checkpoint``, the
+``parallelism``, ``optimizer``, ``lr_schedule``, ``context``, ``callbacks``, ``checkpoint``, the
 static-graph ``runner_config`` ...).  The rule, fail closed on typos:
 
 - ``parallelism`` (and ``activation_checkpoint``) is read whole: every key must be one of its fields (a misspelt key raises,
@@ -10,6 +10,10 @@ static-graph ``runner_config`` ...).  The rule, fail closed on typos:
 - ``training`` is read whole too: a key must be a field read here or one MindFormers defines for
   this section (``steps``, ``max_norm``, ``seed``, ``deterministic``: named as ignored); any other
   key raises.
+- ``optimizer`` and ``lr_schedule`` (or ``lr_scheduler``, as dynamic-graph files name it:
+  MindFormers' AdamW and learning-rate schedule) are read
+  for the keys ``hp_protocols.optimizer_file`` maps onto ``training:`` fields; any other key
+  raises, naming the nearest known one.  Their values join ``training``.
 - ``model`` and ``train_dataset`` describe the model and the data pipeline, which the trainer
   takes elsewhere: only the facts the rules need are read (``num_attention_heads``,
   ``num_hidden_layers``, ``use_attn_mask_compression``, directly under ``model:`` as the
@@ -22,7 +26,8 @@ static-graph ``runner_config`` ...).  The rule, fail closed on typos:
   (``parallelsim``), which raises for the same reason.
 
 ``split_job_file`` returns the read parts in one canonical layout (the four sections, model facts
-flat) and the dotted names of everything ignored, for the caller to print once.  Pure.
+flat, the optimizer's and schedule's settings as ``training`` fields) and the dotted names of
+everything ignored, for the caller to print once.  Pure.
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-READ_SECTIONS = ("parallelism", "training", "model", "train_dataset", "activation_checkpoint")
+from hp_protocols.optimizer_file import LR_SCHEDULE_KEYS, OPTIMIZER_KEYS, merge_into_training, training_fields
+
+# (``lr_schedule`` as the static-graph files name it, ``lr_scheduler`` as the dynamic-graph ones do)
+SCHEDULE_SECTIONS = ("lr_schedule", "lr_scheduler")
+READ_SECTIONS = ("parallelism", "training", "model", "train_dataset", "activation_checkpoint", "optimizer",
+                 *SCHEDULE_SECTIONS)
 # keys MindFormers defines in ``training`` that this trainer does not read (flags set them here)
 MINDFORMERS_TRAINING_KEYS = frozenset({"steps", "max_norm", "seed", "deterministic"})
 MODEL_FACTS = ("num_attention_heads", "num_hidden_layers", "use_attn_mask_compression")
@@ -90,12 +100,22 @@ def split_job_file(raw: Mapping[str, Any], parallelism_keys: Iterable[str],
     read_training = set(training_keys)
     _strict(train, read_training, MINDFORMERS_TRAINING_KEYS, "training")
     ignored += [f"training.{k}" for k in train if k not in read_training]
+    optimizer = _section(raw, "optimizer")
+    _strict(optimizer, set(OPTIMIZER_KEYS), frozenset(), "optimizer")
+    given = [name for name in SCHEDULE_SECTIONS if raw.get(name) is not None]
+    if len(given) > 1:
+        raise ValueError(f"the job has both {given[0]}: and {given[1]}: (two names of one section); keep one")
+    schedule = _section(raw, given[0]) if given else {}
+    if given:
+        _strict(schedule, set(LR_SCHEDULE_KEYS), frozenset(), given[0])
+    training = {k: v for k, v in train.items() if k in read_training}
+    merge_into_training(training, training_fields(optimizer, schedule))
     ac = _section(raw, "activation_checkpoint")
     _strict(ac, set(activation_checkpoint_keys), frozenset(), "activation_checkpoint")
     model, model_ignored = _model_facts(_section(raw, "model"))
     data, data_ignored = _data_facts(_section(raw, "train_dataset"))
     return JobFileParts(
-        parallelism=dict(par), training={k: v for k, v in train.items() if k in read_training},
+        parallelism=dict(par), training=training,
         model=model, data=data, ignored=tuple(sorted(ignored + model_ignored + data_ignored)),
         activation_checkpoint=dict(ac),
     )

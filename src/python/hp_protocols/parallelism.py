@@ -82,11 +82,17 @@ class TrainingConfig:
 
     global_batch_size: int | None = None
     local_batch_size: int = 1
+    learning_rate: float | None = None  # the peak rate; None: the trainer's default (its --lr)
     lr_warmup_steps: int = 0
+    lr_warmup_ratio: float | None = None  # the warmup as a share of the run's steps (instead of lr_warmup_steps)
     lr_decay: str = "none"
     lr_decay_steps: int | None = None  # None: the steps after the warmup, to the end of the run
     lr_min: float = 0.0
     max_grad_norm: float | None = None
+    # AdamW's settings (a MindFormers file's optimizer: section maps onto them)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
     # mixed precision (FSDP2's MixedPrecisionPolicy): compute dtype of the gathered parameters,
     # and dtype of the gradient reduction; the optimizer's master parameters stay float32
     param_dtype: FloatDType = FloatDType.FLOAT32
@@ -95,6 +101,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self.param_dtype = FloatDType.parse(self.param_dtype, "param_dtype")
         self.reduce_dtype = FloatDType.parse(self.reduce_dtype, "reduce_dtype")
+        if isinstance(self.adam_betas, list):  # (as YAML gives it)
+            self.adam_betas = tuple(self.adam_betas)  # type: ignore[assignment]
 
 
 @dataclass(kw_only=True)
@@ -350,6 +358,20 @@ def check_training(t: TrainingConfig) -> None:
     g = t.max_grad_norm
     if g is not None and (not _number(g) or g <= 0):
         raise ValueError(f"max_grad_norm must be a number > 0 (or absent: no clipping), got {g!r}")
+    if t.learning_rate is not None and (not _number(t.learning_rate) or t.learning_rate <= 0):
+        raise ValueError(f"learning_rate must be a number > 0, got {t.learning_rate!r}")
+    r = t.lr_warmup_ratio
+    if r is not None and (not _number(r) or not 0 <= r <= 1):
+        raise ValueError(f"lr_warmup_ratio must be a number in [0, 1], got {r!r}")
+    if r is not None and w:
+        raise ValueError(f"lr_warmup_steps {w} and lr_warmup_ratio {r} both set the warmup; keep one")
+    b = t.adam_betas
+    if not isinstance(b, tuple) or len(b) != 2 or not all(_number(x) and 0 <= x < 1 for x in b):
+        raise ValueError(f"adam_betas must be two numbers in [0, 1), got {b!r}")
+    if not _number(t.adam_eps) or t.adam_eps <= 0:
+        raise ValueError(f"adam_eps must be a number > 0, got {t.adam_eps!r}")
+    if not _number(t.weight_decay) or t.weight_decay < 0:
+        raise ValueError(f"weight_decay must be a number >= 0, got {t.weight_decay!r}")
 
 
 def _check_cp(p: ParallelismConfig, m: ModelFacts, d: DataFacts, cp: int) -> int:

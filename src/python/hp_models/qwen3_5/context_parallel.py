@@ -13,7 +13,9 @@ Backward is autograd through the same steps (the all-gather's dual sums the grad
 ``parallelize_qwen3_5_cp`` applies context parallelism to a whole built model (after the TP plan
 when there is one): full-attention layers run through ``ContextParallel.attention`` (ring,
 ulysses or hybrid), Gated DeltaNet layers through ``gated_delta_net_cp``, rotary positions come
-from the load-balanced split (restarting per document with packed data).  The model's one-process
+from the load-balanced split (restarting per document with packed data).  Each decoder layer takes
+the batch's sequence facts (length, document ends) as an argument, so activation checkpointing
+(applied after this, around the decoder layers) recomputes a layer with its own forward's facts.  The model's one-process
 code path is left as it is.
 """
 
@@ -29,7 +31,14 @@ import torch.nn.functional as F
 
 from hp_cp import ContextParallel, document_ids
 from hp_models.qwen3_5.gated_delta import chunk_gated_delta_rule_with_state, compute_dtype, upcast
-from hp_models.qwen3_5.model import Attention, GatedDeltaNet, Qwen3_5ForCausalLM, TextModel, local
+from hp_models.qwen3_5.model import (
+    Attention,
+    DecoderLayer,
+    GatedDeltaNet,
+    Qwen3_5ForCausalLM,
+    TextModel,
+    local,
+)
 
 
 def _conv_chunk(xin: torch.Tensor, doc: torch.Tensor, weight: torch.Tensor, halo: int) -> torch.Tensor:
@@ -179,9 +188,22 @@ def parallelize_qwen3_5_cp(model: Qwen3_5ForCausalLM, cp: ContextParallel) -> Qw
         else:
             pos = torch.tensor([cp.positions(batch.seq_len)], dtype=torch.long, device=input_ids.device)
         cos, sin = self.rotary_emb.at(pos, x.dtype)
+        tokens = _Batch(batch.seq_len, batch.actual_seq_len)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, tokens=tokens)
         return self.norm(x)  # type: ignore[no-any-return]
+
+    def layer_forward(self: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                      tokens: _Batch) -> torch.Tensor:
+        # The batch's facts travel with the layer's inputs, so a recomputation of the layer in
+        # backward (activation checkpointing) sees the facts of its own forward, not the batch
+        # state of whatever forward ran last (cleared when it ended).
+        outer = (batch.seq_len, batch.actual_seq_len)
+        batch.seq_len, batch.actual_seq_len = tokens.seq_len, tokens.actual_seq_len
+        try:
+            return type(self).forward(self, x, cos, sin)  # type: ignore[no-any-return]
+        finally:
+            batch.seq_len, batch.actual_seq_len = outer
 
     def attention_forward(self: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v, gate = self.project(x, cos, sin)
@@ -196,6 +218,7 @@ def parallelize_qwen3_5_cp(model: Qwen3_5ForCausalLM, cp: ContextParallel) -> Qw
     _bind(model, causal_lm_forward)
     _bind(text, text_forward)
     for layer in text.layers:
+        _bind(layer, layer_forward)
         if layer.layer_type == "linear_attention":
             _bind(layer.linear_attn, delta_forward)
         else:

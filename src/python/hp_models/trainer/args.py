@@ -23,7 +23,7 @@ class Args:
     seq_len: int
     batch_size: int | None  # the global batch size
     local_batch_size: int | None
-    lr: float
+    lr: float | None  # the peak learning rate; None: the job's learning_rate, or 3e-3
     config: str
     out_dir: str
     checkpoint_dir: str
@@ -49,8 +49,8 @@ class Args:
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Args:
     p = argparse.ArgumentParser(prog="python -m hp_models.train", description=description)
     p.add_argument("--job", default=None,
-                   help="job YAML (a whole MindFormers file: parallelism:, training:'s batch sizes and model:'s "
-                        "sizes are read, other sections are named once as ignored); flags override it")
+                   help="job YAML (a whole MindFormers file: parallelism:, training:, optimizer:, lr_schedule: and "
+                        "model:'s sizes are read, other sections are named once as ignored); flags override it")
     p.add_argument("--tp", type=int, default=None,
                    help="tensor-parallel size (tensor_parallel); default: the job's, or 2 without --job")
     p.add_argument("--dp-shard", type=int, default=None,
@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--local-batch-size", type=int, default=None,
                    help="samples per rank per forward (local_batch_size); default: the job's, or the global "
                         "batch over the data-parallel ranks (no accumulation)")
-    p.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate (constant without a schedule)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the peak learning rate (constant without a schedule); default: the job's learning_rate "
+                        "(training:, lr_schedule: or optimizer:), or 3e-3")
     p.add_argument("--lr-warmup-steps", type=int, default=None,
                    help="lr_warmup_steps: the learning rate rises linearly to --lr over these steps; default: the "
                         "job's, or 0")
@@ -114,7 +116,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if ns.dp_shard is not None and ns.dp_shard != -1 and ns.dp_shard < 1:
         p.error(f"--dp-shard must be -1 or >= 1, got {ns.dp_shard}")
-    if not ns.lr > 0:
+    if ns.lr is not None and not ns.lr > 0:
         p.error(f"--lr must be > 0, got {ns.lr}")
     if ns.lr_warmup_steps is not None and ns.lr_warmup_steps < 0:
         p.error(f"--lr-warmup-steps must be >= 0, got {ns.lr_warmup_steps}")

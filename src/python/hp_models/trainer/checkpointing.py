@@ -18,10 +18,12 @@ def run_settings(args: Args, config: Any, layout: TrainLayout) -> dict[str, Any]
     """What a resumed run must share with the run that saved its checkpoint."""
     from hp_models.train_checkpoint import run_settings as settings
 
-    schedule = LRSchedule.of(args.lr, layout.optim, args.steps)
-    return settings(seed=args.seed, lr=args.lr, seq_len=args.seq_len, global_batch_size=layout.global_batch_size,
+    optim = layout.optim
+    schedule = LRSchedule.of(optim.lr, optim, args.steps)
+    return settings(seed=args.seed, lr=optim.lr, seq_len=args.seq_len, global_batch_size=layout.global_batch_size,
                     model=dataclasses.asdict(config), lr_schedule=None if schedule.constant else schedule.as_dict(),
-                    max_grad_norm=layout.optim.max_grad_norm)
+                    max_grad_norm=optim.max_grad_norm, weight_decay=optim.weight_decay, adam_betas=optim.betas,
+                    adam_eps=optim.eps)
 
 
 def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:

@@ -38,7 +38,7 @@ def model_sizes(config: Any) -> ModelSizes:
 
 
 def overrides(args: Args) -> Overrides:
-    return Overrides(tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, ep=args.ep,
+    return Overrides(lr=args.lr, tp=args.tp, dp_shard=args.dp_shard, pp=args.pp, cp=args.cp, ep=args.ep,
                      global_batch_size=args.batch_size, local_batch_size=args.local_batch_size,
                      lr_warmup_steps=args.lr_warmup_steps, lr_decay=args.lr_decay, lr_decay_steps=args.lr_decay_steps,
                      lr_min=args.lr_min, max_grad_norm=args.max_grad_norm,
@@ -64,7 +64,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
         check_model(config, layout)
-        LRSchedule.of(args.lr, layout.optim, args.steps)
+        LRSchedule.of(layout.optim.lr, layout.optim, args.steps)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")
     if layout.cp == 1 and args.seq_len % layout.tp:

@@ -37,8 +37,8 @@ def fit(args: Args, layout: TrainLayout, config: Any, rank: int, *, distributed:
     from hp_models.train_moe import run_report
 
     model, dp_rank = build_model(args, layout, config, distributed=distributed)
-    opt = build_optimizer(model, args.lr)
-    schedule = LRSchedule.of(args.lr, layout.optim, args.steps)
+    opt = build_optimizer(model, layout.optim)
+    schedule = LRSchedule.of(layout.optim.lr, layout.optim, args.steps)
     grad_norm = GradNorm(layout, distributed=distributed)
     start, losses = 0, list[float]()
     run = run_settings(args, config, layout)
@@ -63,7 +63,7 @@ def fit(args: Args, layout: TrainLayout, config: Any, rank: int, *, distributed:
         tokens += ids.numel()
         metrics.record(step + 1, value, lr, norm, ids.numel(), time.perf_counter() - t_step)
         if show:
-            progress(step + 1, args.steps, value, tokens / max(time.perf_counter() - t0, 1e-9))
+            progress(step + 1, args.steps, value, lr, tokens / max(time.perf_counter() - t0, 1e-9))
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             save_train_state(args.checkpoint_dir, model, opt, step + 1, losses, seed=args.seed, keep=args.keep,
                              layout=layout.as_dict(), run=run)

@@ -9,7 +9,9 @@ step alone.  Step ``s`` (0-based: the ``s + 1``-th optimizer step) with ``n = s 
   linear ``lr_min + (lr - lr_min) * (1 - p)`` (step ``W + D`` reaches ``lr_min``, later steps stay
   there); no decay: ``lr``.
 
-Without warmup and decay (the default) every step has ``lr``: the constant rate of before.
+Without warmup and decay (the default) every step has ``lr``: the constant rate of before.  A
+warmup given as a share of the run (``lr_warmup_ratio``, from a MindFormers ``warmup_ratio``) is
+``W = int(ratio * steps)`` steps.
 """
 
 from __future__ import annotations
@@ -34,18 +36,18 @@ class LRSchedule:
     def of(cls, lr: float, optim: OptimSettings, steps: int) -> LRSchedule:
         """The schedule of a run of ``steps`` steps; ``ValueError`` naming the values when the decay
         has no step left (its default length: ``steps`` minus the warmup) or ends above the peak."""
+        warmup = int(optim.warmup_ratio * steps) if optim.warmup_ratio is not None else optim.warmup_steps
         if optim.decay is LRDecay.NONE:
-            return cls(lr=lr, warmup_steps=optim.warmup_steps)
+            return cls(lr=lr, warmup_steps=warmup)
         if optim.lr_min > lr:
-            raise ValueError(f"lr_min {optim.lr_min} is above the peak learning rate --lr {lr}: the decay would "
-                             f"raise it; pass a smaller lr_min (--lr-min)")
-        decay_steps = optim.decay_steps if optim.decay_steps is not None else steps - optim.warmup_steps
+            raise ValueError(f"lr_min {optim.lr_min} is above the peak learning rate {lr} (--lr, or the job's "
+                             f"learning_rate): the decay would raise it; pass a smaller lr_min (--lr-min)")
+        decay_steps = optim.decay_steps if optim.decay_steps is not None else steps - warmup
         if decay_steps < 1:
-            raise ValueError(f"lr_decay {optim.decay.value} after lr_warmup_steps {optim.warmup_steps} leaves no step "
+            raise ValueError(f"lr_decay {optim.decay.value} after lr_warmup_steps {warmup} leaves no step "
                              f"of --steps {steps} to decay over; pass fewer warmup steps, more --steps, or "
                              f"lr_decay_steps (--lr-decay-steps)")
-        return cls(lr=lr, warmup_steps=optim.warmup_steps, decay=optim.decay, decay_steps=decay_steps,
-                   lr_min=optim.lr_min)
+        return cls(lr=lr, warmup_steps=warmup, decay=optim.decay, decay_steps=decay_steps, lr_min=optim.lr_min)
 
     @property
     def constant(self) -> bool:

@@ -94,11 +94,17 @@ def tensorboard_dir(out_dir: str) -> str:
     return os.path.join(out_dir, TENSORBOARD_DIR)
 
 
-def progress(step: int, total: int, loss: float, tok_s: float) -> None:
+def progress_line(step: int, total: int, loss: float, lr: float, tok_s: float) -> str:
+    """The progress bar's text after step ``step`` of ``total``: the loss, the step's learning
+    rate and the run's tokens/s."""
     width = 30
     filled = int(width * step / total)
     bar = "#" * filled + "." * (width - filled)
-    line = f"[{bar}] step {step}/{total}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    return f"[{bar}] step {step}/{total}  loss {loss:.4f}  lr {lr:.3e}  {tok_s:,.0f} tok/s"
+
+
+def progress(step: int, total: int, loss: float, lr: float, tok_s: float) -> None:
+    line = progress_line(step, total, loss, lr, tok_s)
     if sys.stderr.isatty():
         sys.stderr.write("\r" + line)
     elif step == total or step % max(1, total // 20) == 0:

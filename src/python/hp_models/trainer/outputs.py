@@ -22,10 +22,11 @@ def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str
     losses = result["losses"]
     log = {
         "config": args.config, "job": args.job, "tp": layout.tp, "steps": args.steps, "seq_len": args.seq_len,
-        "batch_size": layout.global_batch_size, "parallelism": layout.as_dict(), "lr": args.lr, "seed": args.seed,
+        "batch_size": layout.global_batch_size, "parallelism": layout.as_dict(), "lr": layout.optim.lr, "seed": args.seed,
         "parameters": result["nparams"], "losses": losses, "first_loss": losses[0], "final_loss": losses[-1],
         "elapsed_s": result["elapsed_s"], "tokens_per_s": result["tokens"] / max(result["elapsed_s"], 1e-9),
         "resumed_from_step": result["start_step"],
+        "adamw": {"betas": list(layout.optim.betas), "eps": layout.optim.eps, "weight_decay": layout.optim.weight_decay},
     }
     if "tokens_per_expert" in result:
         log["tokens_per_expert"] = result["tokens_per_expert"]
