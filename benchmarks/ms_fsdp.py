@@ -19,27 +19,16 @@ Run: ./pants run benchmarks/ms_fsdp.py   (or HYPER_PARALLEL_PLATFORM=mindspore p
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from ms_tp_mlp import median_ms
 
 from hp_dtensor.testing import RankPool
 
 SIZES = [(256, 4, 64), (512, 4, 256)]  # hidden, blocks, tokens (whole batch)
 REPEATS = 7
-
-
-def _median_ms(fn: Callable[[], Any], repeats: int = REPEATS) -> float:
-    fn()  # warm-up: first-call compilation, buffers, shapes
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _data(d: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -107,7 +96,7 @@ def _ms_single(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[
         return {}
     net = _ms_net(d, blocks)
     x, y = _data(d, tokens)
-    return {"ms": _median_ms(_ms_step_fn(net, x, y)), "bytes": _local_bytes(net.trainable_params())}
+    return {"ms": median_ms(_ms_step_fn(net, x, y), REPEATS), "bytes": _local_bytes(net.trainable_params())}
 
 
 def _ms_fsdp(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[str, float]:
@@ -121,7 +110,8 @@ def _ms_fsdp(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[st
     fully_shard(net, mesh=mesh)
     x, y = _data(d, tokens)
     rows = np.array_split(np.arange(tokens), world)[rank]
-    return {"ms_fsdp": _median_ms(_ms_step_fn(net, x[rows], y[rows])), "bytes": _local_bytes(net.trainable_params())}
+    step_ms = median_ms(_ms_step_fn(net, x[rows], y[rows]), REPEATS)
+    return {"ms_fsdp": step_ms, "bytes": _local_bytes(net.trainable_params())}
 
 
 def _torch_fsdp(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[str, float]:
@@ -154,7 +144,7 @@ def _torch_fsdp(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict
         net.zero_grad(set_to_none=True)
         ((net(x[rows]) - y[rows]) ** 2).mean().backward()
 
-    return {"torch_fsdp": _median_ms(step)}
+    return {"torch_fsdp": median_ms(step, REPEATS)}
 
 
 def main() -> None:

@@ -25,7 +25,9 @@ REPEATS = 9
 MIB = 1 << 20
 
 
-def _median_ms(fn: Any, repeats: int = REPEATS) -> float:
+def median_ms(fn: Any, repeats: int = REPEATS) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn`` after one warm-up call (also used by
+    ms_fsdp.py)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -45,10 +47,10 @@ def _ms_collectives(rank: int, world: int) -> dict[str, float]:
     g = mesh.get_group(0)
     x = Tensor(np.ones((MIB // 4 // 256, 256), np.float32))
     return {
-        "all_reduce": _median_ms(lambda: C.all_reduce(x, "sum", g, world, rank).asnumpy()),
-        "all_gather": _median_ms(lambda: C.all_gather(x, 0, g, world, rank).asnumpy()),
-        "reduce_scatter": _median_ms(lambda: C.reduce_scatter(x, 0, "sum", g, world, rank).asnumpy()),
-        "all_to_all": _median_ms(lambda: C.all_to_all(x, 1, 0, g, world, rank).asnumpy()),
+        "all_reduce": median_ms(lambda: C.all_reduce(x, "sum", g, world, rank).asnumpy()),
+        "all_gather": median_ms(lambda: C.all_gather(x, 0, g, world, rank).asnumpy()),
+        "reduce_scatter": median_ms(lambda: C.reduce_scatter(x, 0, "sum", g, world, rank).asnumpy()),
+        "all_to_all": median_ms(lambda: C.all_to_all(x, 1, 0, g, world, rank).asnumpy()),
     }
 
 
@@ -62,10 +64,10 @@ def _torch_collectives(rank: int, world: int) -> dict[str, float]:
     g = mesh.get_group(0)
     x = torch.ones(MIB // 4 // 256, 256)
     return {
-        "all_reduce": _median_ms(lambda: C.all_reduce(x, "sum", g, world)),
-        "all_gather": _median_ms(lambda: C.all_gather(x, 0, g, world)),
-        "reduce_scatter": _median_ms(lambda: C.reduce_scatter(x, 0, "sum", g, world)),
-        "all_to_all": _median_ms(lambda: C.all_to_all(x, 1, 0, g, world)),
+        "all_reduce": median_ms(lambda: C.all_reduce(x, "sum", g, world)),
+        "all_gather": median_ms(lambda: C.all_gather(x, 0, g, world)),
+        "reduce_scatter": median_ms(lambda: C.reduce_scatter(x, 0, "sum", g, world)),
+        "all_to_all": median_ms(lambda: C.all_to_all(x, 1, 0, g, world)),
     }
 
 
@@ -124,7 +126,7 @@ def _mlp(rank: int, world: int, hidden: int, ffn: int, tokens: int) -> dict[str,
             return Reduce.apply(self.down(ops.relu(self.up(Copy.apply(h)))))
 
     hand = Megatron(np.split(w1, world, 0)[rank], np.split(w2, world, 1)[rank])
-    return {"ours": _median_ms(step_of(ours)), "hand": _median_ms(step_of(hand))}
+    return {"ours": median_ms(step_of(ours)), "hand": median_ms(step_of(hand))}
 
 
 def main() -> None:
