@@ -1,7 +1,9 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 """The trainer with expert parallelism on 4 gloo ranks: the tiny MoE model from a job file at
-ep=2 x tp=2 (dp_shard 2, accumulation 2, gradients averaged) and the two examples (ep=2 with tp=4,
-experts FSDP-sharded over efsdp=2 TP ranks; ep=4 with tp=2, EP across the TP groups) report the
+ep=2 x tp=2 (dp_shard 2, accumulation 2, gradients averaged), at ep=1 x tp=2 x dp_shard 2 (each
+expert TP-split over etp=2 and FSDP-sharded over edp=2) and the two examples (ep=2 with tp=4, each
+expert TP-split over the etp=2 TP ranks sharing its ep coordinate; ep=4 with tp=2, EP across the
+TP groups) report the
 losses of the same run on one process (the trainer's ``--compare-single`` reference), and the
 same tokens per expert in every layer and step; what the MoE path cannot run is refused before
 any rank starts."""
@@ -31,6 +33,18 @@ training:
   global_batch_size: 8
   local_batch_size: 2
 """
+# ep=1 under tp=2: each expert is split like a TP MLP over the two TP ranks (etp=2) and fully
+# sharded over the two data-parallel ranks (edp=2), the TP split and FSDP of one parameter.
+ETP2_DP2 = """
+parallelism:
+  tensor_parallel: 2
+  data_parallel_shard: 2
+  expert_parallel: 1
+  disable_gradient_division: False
+training:
+  global_batch_size: 8
+  local_batch_size: 2
+"""
 SHORT = ["--config", "tiny-moe", "--steps", "3", "--seq-len", "16", "--lr", "1e-2", "--checkpoint-every", "100"]
 TOL = 2e-5  # fp32 losses of the same run on one process: another summation order only
 
@@ -44,6 +58,44 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
             "load": out["tokens_per_expert"]}
 
 
+def _expert_layout(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """How the trainer's model holds its routed experts on this rank: the mesh dims and
+    placements of each expert parameter, and the share of the experts' elements held here."""
+    from hp_dtensor import DTensor
+    from hp_models.train_moe import build_moe_model
+
+    args = train.parse_args(argv)
+    config, layout = train.check_args(args)
+    model, _ = build_moe_model(args.seed, layout, config, distributed=True)
+    held = total = 0
+    layouts = set()
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            assert isinstance(p, DTensor), name
+            layouts.add((name.rsplit(".", 1)[-1], p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))))
+            held, total = held + p.to_local().numel(), total + p.numel()
+    return {"layouts": sorted(layouts), "share": held / total}
+
+
+@pytest.mark.parametrize("job", [ETP2_DP2, EP_LE_TP], ids=["etp2xedp2", "example-ep2-le-tp4"])
+def test_experts_keep_a_tp_split_when_ep_le_tp(pool4: RankPool, job: str, tmp_path) -> None:
+    """With ep <= tp the experts are split like a TP MLP over the etp ranks (gate/up by column,
+    down by row) on the (ep, etp) dims, then fully sharded over what is left (edp): a rank holds a
+    quarter of every expert tensor's elements on 4 ranks either way, but a TP slice of each."""
+    ranks = []
+    if not job.endswith(".yaml"):
+        (tmp_path / "job.yaml").write_text(job)
+        job, ranks = str(tmp_path / "job.yaml"), ["--nproc", "4"]
+    res = pool4.run(_expert_layout, ["--job", job, *ranks, "--out-dir", str(tmp_path / "run"), *SHORT])
+    assert all(r["share"] == 0.25 for r in res), [r["share"] for r in res]
+    layouts = {name: (dims, placements) for name, dims, placements in res[0]["layouts"]}
+    assert sorted(layouts) == ["down_proj", "gate_proj", "up_proj"], layouts
+    for name, split in (("gate_proj", "S(1)"), ("up_proj", "S(1)"), ("down_proj", "S(2)")):
+        dims, placements = layouts[name]
+        assert dims[:2] == ("ep", "etp") and placements[:2] == ("S(0)", split), (name, dims, placements)
+    print(f"\n[train etp] expert layouts {res[0]['layouts']}; {res[0]['share']:.2f} of the expert elements per rank")
+
+
 def _single(argv: list[str], out: Path) -> dict[str, Any]:
     """The same run on one process, as ``--compare-single`` trains it."""
     res = single_process_run(argv, out)
@@ -51,14 +103,16 @@ def _single(argv: list[str], out: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("job,layout", [
-    (None, {"ep": 2, "efsdp": 2, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": False}),
-    (EP_LE_TP, {"ep": 2, "efsdp": 2, "tp": 4, "dp_shard": 1, "accumulation_steps": 2, "sum_gradients": True}),
+    (EP2_TP2, {"ep": 2, "efsdp": 2, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": False}),
+    (ETP2_DP2, {"etp": 2, "edp": 2, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": False}),
+    (EP_LE_TP, {"ep": 2, "efsdp": 2, "etp": 2, "edp": 1, "tp": 4, "dp_shard": 1, "accumulation_steps": 2,
+                "sum_gradients": True}),
     (EP_GT_TP, {"ep": 4, "efsdp": 1, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": True}),
-], ids=["ep2xtp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2"])
-def test_ep_job_equals_one_process(pool4: RankPool, job: str | None, layout: dict[str, Any], tmp_path) -> None:
+], ids=["ep2xtp2-job", "etp2xdp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2"])
+def test_ep_job_equals_one_process(pool4: RankPool, job: str, layout: dict[str, Any], tmp_path) -> None:
     ranks = []  # an example names its ranks itself, as the README runs it
-    if job is None:
-        (tmp_path / "job.yaml").write_text(EP2_TP2)
+    if not job.endswith(".yaml"):
+        (tmp_path / "job.yaml").write_text(job)
         job, ranks = str(tmp_path / "job.yaml"), ["--nproc", "4"]
     argv = ["--job", job, *ranks, "--out-dir", str(tmp_path / "run"), *SHORT]
     res = pool4.run(_run, argv)

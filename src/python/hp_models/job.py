@@ -201,6 +201,8 @@ class TrainLayout:
             out.update({"cp": d.cp, "cp_method": self.context.method.value, "ulysses_degree": d.ulysses_degree})
         if d.ep > 1:
             out.update({"ep": d.ep, "efsdp": d.efsdp})
+        if self.moe is not None and self.moe.etp > 1:  # experts keep part of their TP split
+            out.update({"etp": self.moe.etp, "edp": self.moe.edp})
         ac = self.activation_checkpoint
         if ac.mode is not ActivationCheckpointMode.NONE:
             out["activation_checkpoint"] = ac.mode.value + (f" every {ac.every}" if ac.mode is

@@ -26,10 +26,18 @@ class MoeSettings:
     efsdp: int
     dispatcher: TokenDispatcher
     npu_nums_per_device: int
+    # Ranks splitting each expert like a TP MLP (ep <= tp: the TP ranks sharing an ep coordinate);
+    # 1 with the deredundancy dispatcher, which moves whole experts' tokens only.
+    etp: int = 1
 
     @property
     def experts_per_rank(self) -> int:
         return self.num_experts // self.ep
+
+    @property
+    def edp(self) -> int:
+        """The ranks the experts are fully sharded over: ``efsdp`` less its ``etp`` part."""
+        return self.efsdp // self.etp
 
 
 def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | None) -> MoeSettings | None:
@@ -59,5 +67,6 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
             hint = ("set data_parallel_shard: -1 so every data-parallel rank shards" if name == "dp_replicate"
                     else f"set {name}: 1")
             raise ValueError(f"{name}={value}: {what} is not built in this trainer yet; {hint}")
+    etp = dims.etp if dispatcher is TokenDispatcher.ALLTOALL else 1
     return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
-                       npu_nums_per_device=p.npu_nums_per_device)
+                       npu_nums_per_device=p.npu_nums_per_device, etp=etp)

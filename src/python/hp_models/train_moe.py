@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hp_dtensor import DeviceMesh
 from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
 from hp_models.mixed_precision import fsdp_policy, logits_in_float32
@@ -122,9 +123,10 @@ def describe_load(load: dict[str, Any]) -> list[str]:
 # ---------------------------------------------------------------- one rank
 def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
                     distributed: bool) -> tuple[Any, int]:
-    """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh and FSDP (dense
-    parameters over the data-parallel ranks, experts over ``efsdp``) as ``layout`` says, and this
-    rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
+    """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh (and, with
+    ``ep <= tp``, a TP split of the experts over ``etp``) and FSDP (dense parameters over the
+    data-parallel ranks, experts over ``efsdp``, or ``edp`` under ``etp``) as ``layout`` says, and
+    this rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
     torch.manual_seed(seed)
     model = config.build()
     model.init_weights()
@@ -137,21 +139,31 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
 
     dims = layout.dims
-    dense, sparse = dims.build_mesh("cpu")
-    if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
-        sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-    coord = dense.get_coordinate()
-    assert coord is not None
     moe = layout.moe
     assert moe is not None
-    parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None,
-                            ep_mesh=sparse["ep"] if dims.ep > 1 else None,
+    dense, sparse = dims.build_mesh("cpu")
+    ep_mesh: DeviceMesh | None
+    etp_mesh: DeviceMesh | None
+    if moe.etp > 1:
+        # ep <= tp: the experts keep a TP split over the etp ranks (the TP ranks sharing an ep
+        # coordinate) and are fully sharded over what is left of efsdp, edp.
+        experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
+                                   mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
+        ep_mesh, etp_mesh, expert_dp = experts["ep"], experts["etp"], experts["edp"]
+    else:
+        if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
+            sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(),
+                                      mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        ep_mesh, etp_mesh, expert_dp = (sparse["ep"] if dims.ep > 1 else None), None, sparse["efsdp"]
+    coord = dense.get_coordinate()
+    assert coord is not None
+    parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh, etp_mesh=etp_mesh,
                             dispatcher=moe.dispatcher, npu_nums_per_device=moe.npu_nums_per_device)
     # after TP and EP (their collectives, the token all-to-alls included, rerun in the
     # recomputation on every rank in the same order), before FSDP
     checkpoint_model_blocks(model, layout)
-    if dims.dp_shard > 1 or dims.efsdp > 1:
-        apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"], reshard_after_forward=dims.reshard_after_forward,
+    if dims.dp_shard > 1 or expert_dp.size() > 1:
+        apply_fsdp_qwen3_5_moe(model, dense["fsdp"], expert_dp, reshard_after_forward=dims.reshard_after_forward,
                                sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
                                mp_policy=fsdp_policy(layout))
         logits_in_float32(model, layout)

@@ -221,6 +221,19 @@ class ParallelDims:
         return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
+    def etp(self) -> int:
+        """Ranks that split each expert like a TP MLP: with ``ep`` dividing ``tp`` (``ep <= tp``)
+        the ``tp // ep`` TP ranks sharing an ep coordinate, so the experts keep that part of their
+        TP split; 1 when ``ep > tp`` (EP then spans TP ranks) or ``ep`` does not divide ``tp``."""
+        return self.tp // self.ep if self.tp % self.ep == 0 else 1
+
+    @property
+    def edp(self) -> int:
+        """The data-parallel ranks over which experts split by ``etp`` are fully sharded:
+        ``efsdp // etp`` (``efsdp`` itself when ``etp`` is 1)."""
+        return self.efsdp // self.etp
+
+    @property
     def fsdp_enabled(self) -> bool:
         return self.dp_shard > 1 or self.cp > 1
 
@@ -237,6 +250,12 @@ class ParallelDims:
 
     def sparse_mesh_shape(self) -> tuple[int, int, int, int]:
         return (self.pp, self.dp_replicate, self.efsdp, self.ep)
+
+    def expert_mesh_shape(self) -> tuple[int, int, int, int, int]:
+        """The sparse mesh with ``efsdp`` split as ``(edp, etp)``, ep innermost: the same ranks in
+        the same order as ``sparse_mesh_shape`` (an ``efsdp`` index is ``edp_index * etp +
+        etp_index``), so an ``etp`` group is the TP ranks of one TP group sharing an ep coordinate."""
+        return (self.pp, self.dp_replicate, self.edp, self.etp, self.ep)
 
     def build_mesh(self, device_type: str = "cpu") -> tuple[Any, Any | None]:
         """(dense mesh ``[pp, dp_replicate, fsdp, tp]``, sparse mesh ``[pp, dp_replicate, efsdp, ep]``
