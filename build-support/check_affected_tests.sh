@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 # changed file -> the test folders it must select (every python_test under each, and nothing else;
 # "!path/test_x.py" excepts one file of a listed folder that does not import the changed package)
-ALL="tests/hp_dtensor tests/hp_dtensor/mindspore tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_checkpoint tests/hp_cp tests/hp_pp tests/hp_ep tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hyper_parallel tests/hyper_parallel/mindspore"
+ALL="tests/hp_dtensor tests/hp_dtensor/mindspore tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_checkpoint tests/hp_cp tests/hp_pp tests/hp_ep tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hp_models/mindspore tests/hyper_parallel tests/hyper_parallel/mindspore"
 samples=(
   "src/python/hp_dtensor/__init__.py|${ALL}"
   "src/python/hp_dtensor/platform/torch/__init__.py|${ALL}"

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from hp_dtensor.platform import current
+from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_models.qwen3_5.mindspore.model import Qwen3_5ForCausalLM
 from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
 
@@ -21,7 +22,8 @@ def load_hf_weights(model: Qwen3_5ForCausalLM, path: str) -> list[str]:
     from the model's (a checkpoint saved for another config or dtype)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
-    loaded: dict[str, Any] = Qwen3_5StateDictAdapter(model.config).load_hf_state_dict(path)
+    config: Qwen3_5Config = model.config  # type: ignore[assignment]
+    loaded: dict[str, Any] = Qwen3_5StateDictAdapter(config).load_hf_state_dict(path)
     state = current().state_dict(model)
     missing, extra = sorted(set(state) - set(loaded)), sorted(set(loaded) - set(state))
     if missing or extra:
