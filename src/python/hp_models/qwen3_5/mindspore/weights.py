@@ -14,7 +14,8 @@ from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
 
 def load_hf_weights(model: Qwen3_5ForCausalLM, path: str) -> list[str]:
     """Copy every tensor of the HF checkpoint folder ``path`` into ``model`` (full tensors, one
-    process); returns this model's keys that were set.
+    process); returns this model's keys that were set (with tied embeddings ``lm_head.weight``
+    is the embedding and is not listed).
 
     Fails closed before anything is copied: ``FileNotFoundError`` for a missing folder or one
     without safetensors, ``KeyError`` naming the model keys the checkpoint lacks (or the
@@ -25,6 +26,11 @@ def load_hf_weights(model: Qwen3_5ForCausalLM, path: str) -> list[str]:
     config: Qwen3_5Config = model.config  # type: ignore[assignment]
     loaded: dict[str, Any] = Qwen3_5StateDictAdapter(config).load_hf_state_dict(path)
     state = current().state_dict(model)
+    if config.tie_word_embeddings:
+        # The head is the embedding: read once, as model.embed_tokens.weight (a HF file of a tied
+        # model may still hold lm_head.weight; HF ignores it too).
+        state.pop("lm_head.weight", None)
+        loaded.pop("lm_head.weight", None)
     missing, extra = sorted(set(state) - set(loaded)), sorted(set(loaded) - set(state))
     if missing or extra:
         raise KeyError(
