@@ -78,6 +78,10 @@ def test_checkpoint_of_another_config_is_refused(references, tmp_path) -> None:
         load_hf_weights(model, str(tmp_path / "missing"))
     for k, v in current().state_dict(model).items():
         np.testing.assert_array_equal(v.asnumpy(), before[k], err_msg=f"{k} changed by a refused load")
+    from hp_models.qwen3_5.mindspore import check_tp_size_ms
+
+    with pytest.raises(ValueError, match=r"tp=3 does not divide .*'num_attention_heads': 8"):
+        check_tp_size_ms(config(False), 3)
     # a tied model reads the embedding once and its head is that very parameter
     tied_model = Qwen3_5ForCausalLM(config(True))
     keys = load_hf_weights(tied_model, tied)

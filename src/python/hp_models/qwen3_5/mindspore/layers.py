@@ -10,9 +10,26 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
+from hp_dtensor.platform import current
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_models.qwen3_5.mindspore.gated_delta import upcast
 from hp_protocols import Module
+
+
+def local(t: Any) -> Any:
+    """This rank's values of ``t`` (itself when it is not a DTensor): token mixers compute on the
+    heads a rank holds."""
+    return t.to_local() if isinstance(t, current().DTensor) else t
+
+
+def local_param(p: Any) -> Any:
+    """This rank's shard of parameter ``p`` for local computation.  On MindSpore 2.10 the
+    gradient does not reach a DTensor ``Parameter`` through ``to_local()`` itself (it came back
+    wrong for the conv and per-head weights), so the shard is taken from the result of one
+    DTensor op (a multiply by one), whose gradient the DTensor dispatch routes to the parameter."""
+    if not isinstance(p, current().DTensor):
+        return p
+    return (p * 1.0).to_local()
 
 
 def _param(*shape: int, fill: float = 0.0, dtype: Any = ms.float32) -> Parameter:

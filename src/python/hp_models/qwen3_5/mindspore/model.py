@@ -25,6 +25,8 @@ from hp_models.qwen3_5.mindspore.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    local,
+    local_param,
 )
 from hp_protocols import BaseModel, Module, ModuleList
 
@@ -47,11 +49,11 @@ class Attention(Module):
     def construct(self, x: Any, cos: Any, sin: Any) -> Any:
         b, s = x.shape[0], x.shape[1]
         hd = self.head_dim
-        qg = self.q_proj(x).reshape(b, s, -1, 2 * hd)
+        qg = local(self.q_proj(x)).reshape(b, s, -1, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(b, s, -1)
-        q = self.q_norm(q).swapaxes(1, 2)
-        k = self.k_norm(self.k_proj(x).reshape(b, s, -1, hd)).swapaxes(1, 2)
-        v = self.v_proj(x).reshape(b, s, -1, hd).swapaxes(1, 2)
+        q = local(self.q_norm(q)).swapaxes(1, 2)
+        k = local(self.k_norm(local(self.k_proj(x)).reshape(b, s, -1, hd))).swapaxes(1, 2)
+        v = local(self.v_proj(x)).reshape(b, s, -1, hd).swapaxes(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_rep > 1:
             k = ops.repeat_interleave(k, self.n_rep, 1)
@@ -112,14 +114,14 @@ class GatedDeltaNet(Module):
 
     def construct(self, x: Any) -> Any:
         b, s = x.shape[0], x.shape[1]
-        q = self._conv(self.in_proj_q(x), self.conv_q).reshape(b, s, -1, self.k_head_dim)
-        k = self._conv(self.in_proj_k(x), self.conv_k).reshape(b, s, -1, self.k_head_dim)
-        v = self._conv(self.in_proj_v(x), self.conv_v).reshape(b, s, -1, self.v_head_dim)
-        z = self.in_proj_z(x).reshape(b, s, -1, self.v_head_dim)
-        beta = ops.sigmoid(self.in_proj_b(x))
-        g = -ops.exp(upcast(self.A_log)) * ops.softplus(upcast(self.in_proj_a(x)) + self.dt_bias)
+        q = self._conv(local(self.in_proj_q(x)), local_param(self.conv_q)).reshape(b, s, -1, self.k_head_dim)
+        k = self._conv(local(self.in_proj_k(x)), local_param(self.conv_k)).reshape(b, s, -1, self.k_head_dim)
+        v = self._conv(local(self.in_proj_v(x)), local_param(self.conv_v)).reshape(b, s, -1, self.v_head_dim)
+        z = local(self.in_proj_z(x)).reshape(b, s, -1, self.v_head_dim)
+        beta = ops.sigmoid(local(self.in_proj_b(x)))
+        g = -ops.exp(upcast(local_param(self.A_log))) * ops.softplus(upcast(local(self.in_proj_a(x))) + local_param(self.dt_bias))
         o = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size)
-        o = self.norm(o, z).reshape(b, s, -1)
+        o = local(self.norm(o, z)).reshape(b, s, -1)
         return self.out_proj(o)
 
 
@@ -134,7 +136,7 @@ class MLP(Module):
         self.down_proj = Linear(inter, h)
 
     def construct(self, x: Any) -> Any:
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu(local(self.gate_proj(x))) * local(self.up_proj(x)))
 
 
 class DecoderLayer(Module):
