@@ -23,10 +23,10 @@ def local(t: Any) -> Any:
 
 
 def local_param(p: Any) -> Any:
-    """This rank's shard of parameter ``p`` for local computation.  On MindSpore 2.10 the
-    gradient does not reach a DTensor ``Parameter`` through ``to_local()`` itself (it came back
-    wrong for the conv and per-head weights), so the shard is taken from the result of one
-    DTensor op (a multiply by one), whose gradient the DTensor dispatch routes to the parameter."""
+    """This rank's shard of parameter ``p`` for local computation.  On MindSpore a DTensor
+    ``Parameter``'s ``to_local()`` passes no gradient back (the parameter's gradient is zero), so
+    the shard is taken from the result of one DTensor op (a multiply by one), whose gradient the
+    DTensor dispatch routes to the parameter."""
     if not isinstance(p, current().DTensor):
         return p
     return (p * 1.0).to_local()
