@@ -86,3 +86,19 @@ def test_checkpoint_of_another_config_is_refused(references, tmp_path) -> None:
     tied_model = Qwen3_5ForCausalLM(config(True))
     keys = load_hf_weights(tied_model, tied)
     assert "lm_head.weight" not in keys and tied_model.lm_head.weight is tied_model.model.embed_tokens.weight
+
+
+def test_init_weights_gives_the_torch_model_s_initial_values() -> None:
+    import mindspore as ms
+
+    from hp_models.qwen3_5.mindspore import Qwen3_5ForCausalLM
+
+    ms.set_seed(0)
+    model = Qwen3_5ForCausalLM(config(False))
+    model.init_weights()
+    mixer = model.model.layers[0].linear_attn
+    a = np.exp(mixer.A_log.asnumpy())
+    assert ((a >= 0.01) & (a <= 16.0)).all() and a.std() > 1.0  # A ~ U(0.01, 16)
+    assert (mixer.dt_bias.asnumpy() == 1).all() and (mixer.norm.weight.asnumpy() == 1).all()
+    assert (model.model.norm.weight.asnumpy() == 0).all()  # zero-centred: 1 + weight
+    assert 0.015 < mixer.conv_q.asnumpy().std() < 0.025 and 0.015 < model.lm_head.weight.asnumpy().std() < 0.025
