@@ -17,6 +17,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 from mindspore._c_expression import NoFallbackGuard
+from mindspore.ops.auto_generate.gen_ops_prim import Identity
 
 from hp_dtensor.api import from_local_check
 from hp_dtensor.api.dtensor_methods import distribute_with, from_local_checked
@@ -46,6 +47,8 @@ def install_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) 
     global _dispatch
     _dispatch = fn
 
+
+_IDENTITY = Identity()  # the primitive returns a plain Tensor (ops.identity keeps the subclass)
 
 class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
     """A tensor laid out over a ``DeviceMesh`` by one placement per mesh dim (``shape``, sizes and
@@ -152,8 +155,16 @@ class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
                 "to_local(grad_placements=...) is not supported on MindSpore: the local gradient's layout "
                 "follows the tensor's placements"
             )
+        if isinstance(self, ms.Parameter):
+            # Autograd knows a Parameter by identity: a plain view of it would be a new leaf and
+            # the parameter's gradient would silently be zero.  One native identity op keeps the
+            # link (fallback off: it runs on this rank's data, not through DTensor dispatch).
+            with NoFallbackGuard():
+                local = _IDENTITY(self)
+        else:
+            local = Tensor._make_subclass(Tensor, self)
         # The caller's gradient for a plain tensor is whole on every rank.
-        return self._whole_grad_use(Tensor._make_subclass(Tensor, self))
+        return self._whole_grad_use(local)
 
     def _whole_grad_use(self, local: Any) -> Any:
         """``local`` (this value, as some consumer will use it) adapted to a consumer whose

@@ -23,13 +23,11 @@ def local(t: Any) -> Any:
 
 
 def local_param(p: Any) -> Any:
-    """This rank's shard of parameter ``p`` for local computation.  On MindSpore a DTensor
-    ``Parameter``'s ``to_local()`` passes no gradient back (the parameter's gradient is zero), so
-    the shard is taken from the result of one DTensor op (a multiply by one), whose gradient the
-    DTensor dispatch routes to the parameter."""
+    """This rank's shard of parameter ``p`` (a DTensor after ``parallelize``) for local
+    computation; its gradient reaches the parameter."""
     if not isinstance(p, current().DTensor):
         return p
-    return (p * 1.0).to_local()
+    return p.to_local()
 
 
 def _param(*shape: int, fill: float = 0.0, dtype: Any = ms.float32) -> Parameter:
