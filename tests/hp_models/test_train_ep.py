@@ -74,20 +74,26 @@ def _expert_layout(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
             assert isinstance(p, DTensor), name
             layouts.add((name.rsplit(".", 1)[-1], p.device_mesh.mesh_dim_names, tuple(map(str, p.placements))))
             held, total = held + p.to_local().numel(), total + p.numel()
-    return {"layouts": sorted(layouts), "share": held / total}
+    import torch
+
+    logits = model(torch.zeros(2, 16, dtype=torch.long))  # loss parallel: logits stay split over the vocab
+    return {"layouts": sorted(layouts), "share": held / total,
+            "logits": tuple(map(str, logits.placements)) if isinstance(logits, DTensor) else None}
 
 
 @pytest.mark.parametrize("job", [ETP2_DP2, EP_LE_TP], ids=["etp2xedp2", "example-ep2-le-tp4"])
 def test_experts_keep_a_tp_split_when_ep_le_tp(pool4: RankPool, job: str, tmp_path) -> None:
     """With ep <= tp the experts are split like a TP MLP over the etp ranks (gate/up by column,
     down by row) on the (ep, etp) dims, then fully sharded over what is left (edp): a rank holds a
-    quarter of every expert tensor's elements on 4 ranks either way, but a TP slice of each."""
+    quarter of every expert tensor's elements on 4 ranks either way, but a TP slice of each.  The
+    logits stay split over the vocab under TP (loss parallel), as in the dense trainer."""
     ranks = []
     if not job.endswith(".yaml"):
         (tmp_path / "job.yaml").write_text(job)
         job, ranks = str(tmp_path / "job.yaml"), ["--nproc", "4"]
     res = pool4.run(_expert_layout, ["--job", job, *ranks, "--out-dir", str(tmp_path / "run"), *SHORT])
     assert all(r["share"] == 0.25 for r in res), [r["share"] for r in res]
+    assert all(r["logits"] == ("S(2)",) for r in res), [r["logits"] for r in res]
     layouts = {name: (dims, placements) for name, dims, placements in res[0]["layouts"]}
     assert sorted(layouts) == ["down_proj", "gate_proj", "up_proj"], layouts
     for name, split in (("gate_proj", "S(1)"), ("up_proj", "S(1)"), ("down_proj", "S(2)")):

@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hp_dtensor import DeviceMesh
+from hp_dtensor import DeviceMesh, DTensor
 from hp_models.activation_checkpoint import checkpoint_model_blocks
 from hp_models.job import TrainLayout
 from hp_models.mixed_precision import fsdp_policy, logits_in_float32
 from hp_models.qwen3_5 import Qwen3_5Config
 from hp_models.qwen3_5.model import local
 from hp_models.qwen3_5_moe import Qwen3_5MoeConfig, tiny_moe_config
+from hp_tp import loss_parallel
 
 TINY_MOE = "tiny-moe"
 
@@ -157,8 +159,10 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
         ep_mesh, etp_mesh, expert_dp = (sparse["ep"] if dims.ep > 1 else None), None, sparse["efsdp"]
     coord = dense.get_coordinate()
     assert coord is not None
+    # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer.
     parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh, etp_mesh=etp_mesh,
-                            dispatcher=moe.dispatcher, npu_nums_per_device=moe.npu_nums_per_device)
+                            loss_parallel=dims.tp > 1, dispatcher=moe.dispatcher,
+                            npu_nums_per_device=moe.npu_nums_per_device)
     # after TP and EP (their collectives, the token all-to-alls included, rerun in the
     # recomputation on every rank in the same order), before FSDP
     checkpoint_model_blocks(model, layout)
@@ -185,10 +189,13 @@ def moe_train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: torch.Ten
         if fsdp:
             # Only the last micro-step's backward reduces the gradients; before it they accumulate locally.
             model.set_requires_gradient_sync(micro == layout.accumulation - 1)
-        logits = local(model(ids[rows]))  # under TP: replicated over the TP group
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt[rows].flatten())
-        loss = ce + config.router_aux_loss_coef * model.aux_loss()
-        (loss * scale if scale != 1.0 else loss).backward()
+        logits = model(ids[rows])
+        with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
+            # under TP the logits are split over the vocab: the loss is assembled from the shards
+            # (a replicated scalar, taken as this rank's value to add the router's plain loss)
+            ce = local(F.cross_entropy(logits.flatten(0, 1).float(), tgt[rows].flatten()))
+            loss = ce + config.router_aux_loss_coef * model.aux_loss()
+            (loss * scale if scale != 1.0 else loss).backward()
         total += float(loss.item())
         load.add_forward(blocks)
     summed = load.end_step(total, layout.world_size)
