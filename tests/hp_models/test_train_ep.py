@@ -45,6 +45,19 @@ training:
   global_batch_size: 8
   local_batch_size: 2
 """
+# HSDP: 2 replicas of 2 shards, ep=2 over the shard ranks (efsdp=1): dense parameters HSDP over
+# (dp_replicate, fsdp), experts over (dp_replicate, efsdp), each expert's gradient all-reduced
+# across the replicas.
+HSDP_EP2 = """
+parallelism:
+  tensor_parallel: 1
+  data_parallel_shard: 2
+  expert_parallel: 2
+  disable_gradient_division: False
+training:
+  global_batch_size: 8
+  local_batch_size: 1
+"""
 SHORT = ["--config", "tiny-moe", "--steps", "3", "--seq-len", "16", "--lr", "1e-2", "--checkpoint-every", "100"]
 TOL = 2e-5  # fp32 losses of the same run on one process: another summation order only
 
@@ -114,7 +127,9 @@ def _single(argv: list[str], out: Path) -> dict[str, Any]:
     (EP_LE_TP, {"ep": 2, "efsdp": 2, "etp": 2, "edp": 1, "tp": 4, "dp_shard": 1, "accumulation_steps": 2,
                 "sum_gradients": True}),
     (EP_GT_TP, {"ep": 4, "efsdp": 1, "tp": 2, "dp_shard": 2, "accumulation_steps": 2, "sum_gradients": True}),
-], ids=["ep2xtp2-job", "etp2xdp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2"])
+    (HSDP_EP2, {"ep": 2, "efsdp": 1, "tp": 1, "dp_replicate": 2, "dp_shard": 2, "accumulation_steps": 2,
+                "sum_gradients": False}),
+], ids=["ep2xtp2-job", "etp2xdp2-job", "example-ep2-le-tp4", "example-ep4-gt-tp2", "hsdp2x2-ep2-job"])
 def test_ep_job_equals_one_process(pool4: RankPool, job: str, layout: dict[str, Any], tmp_path) -> None:
     ranks = []  # an example names its ranks itself, as the README runs it
     if not job.endswith(".yaml"):
@@ -159,7 +174,6 @@ def test_summary_prints_tokens_per_expert(tmp_path, capsys) -> None:
     ("tiny-moe", {"tensor_parallel": 1, "expert_parallel": 3}, ["expert_parallel 3 must divide dp_shard*cp*tp", "4"]),
     ("tiny-moe", {"tensor_parallel": 1, "pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": "auto"},
      ["pipeline_parallel=2", "MoE model is not built", "pipeline_parallel: 1"]),
-    ("tiny-moe", {"tensor_parallel": 1, "data_parallel_shard": 2}, ["dp_replicate=2", "data_parallel_shard: -1"]),
     ("tiny-moe", {"tensor_parallel": 1, "moe_token_dispatcher_type": "ring"}, ["moe_token_dispatcher_type", "'ring'"]),
 ])
 def test_bad_moe_job_fails_before_any_rank_starts(config, parallelism, words, tmp_path) -> None:
@@ -183,3 +197,15 @@ def test_experts_not_divisible_by_ep_and_ep_flag() -> None:
     layout = plan(None, Overrides(tp=2, ep=4), ModelSizes(8, 4, num_experts=8), world_size=4)
     assert (layout.dims.ep, layout.dims.efsdp, layout.moe.experts_per_rank) == (4, 1, 2)
     assert layout.describe() == "dp_shard=2, ep=4, tp=2 on 4 ranks"
+
+
+def test_moe_hsdp_replicates_the_experts_shard_groups(pool4: RankPool, tmp_path) -> None:
+    """With replicas the experts are HSDP too: each expert tensor keeps its ep shard, replicated
+    over dp_replicate and sharded over efsdp (of one rank here), so a rank holds half of it."""
+    (tmp_path / "job.yaml").write_text(HSDP_EP2)
+    argv = ["--job", str(tmp_path / "job.yaml"), "--nproc", "4", "--out-dir", str(tmp_path / "run"), *SHORT]
+    res = pool4.run(_expert_layout, argv)
+    assert all(r["share"] == 0.5 for r in res), [r["share"] for r in res]
+    for name, dims, placements in res[0]["layouts"]:
+        assert dims == ("ep", "dp_replicate", "efsdp") and placements == ("S(0)", "R", "S(0)"), (name, dims, placements)
+    assert all(r["logits"] is None for r in res)  # tp=1: plain logits

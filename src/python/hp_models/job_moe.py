@@ -6,7 +6,7 @@ dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_de
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
 model actually built: expert parallelism on a dense model, an expert count the ep size does not
 divide, and the combinations of a mixture-of-experts model with parallelism the MoE path does not
-build yet.
+build yet (pipeline and context parallelism).
 """
 
 from __future__ import annotations
@@ -60,13 +60,10 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
     refused = [
         ("pipeline_parallel", dims.pp, "pipeline parallelism of the MoE model"),
         ("context_parallel", dims.cp, "context parallelism of the MoE model"),
-        ("dp_replicate", dims.dp_replicate, "HSDP (replicas of the experts' shard groups)"),
     ]
     for name, value, what in refused:
         if value > 1:
-            hint = ("set data_parallel_shard: -1 so every data-parallel rank shards" if name == "dp_replicate"
-                    else f"set {name}: 1")
-            raise ValueError(f"{name}={value}: {what} is not built in this trainer yet; {hint}")
+            raise ValueError(f"{name}={value}: {what} is not built in this trainer yet; set {name}: 1")
     etp = dims.etp if dispatcher is TokenDispatcher.ALLTOALL else 1
     return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
                        npu_nums_per_device=p.npu_nums_per_device, etp=etp)

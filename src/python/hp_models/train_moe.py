@@ -127,8 +127,8 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
                     distributed: bool) -> tuple[Any, int]:
     """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh (and, with
     ``ep <= tp``, a TP split of the experts over ``etp``) and FSDP (dense parameters over the
-    data-parallel ranks, experts over ``efsdp``, or ``edp`` under ``etp``) as ``layout`` says, and
-    this rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
+    data-parallel ranks, experts over ``efsdp``, or ``edp`` under ``etp``; HSDP with replicas over
+    ``dp_replicate`` for both) as ``layout`` says, and this rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
     torch.manual_seed(seed)
     model = config.build()
     model.init_weights()
@@ -151,12 +151,14 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
         # coordinate) and are fully sharded over what is left of efsdp, edp.
         experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
                                    mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
-        ep_mesh, etp_mesh, expert_dp = experts["ep"], experts["etp"], experts["edp"]
+        ep_mesh, etp_mesh = experts["ep"], experts["etp"]
+        expert_dp = experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else experts["edp"]
     else:
         if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
             sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(),
                                       mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-        ep_mesh, etp_mesh, expert_dp = (sparse["ep"] if dims.ep > 1 else None), None, sparse["efsdp"]
+        ep_mesh, etp_mesh = (sparse["ep"] if dims.ep > 1 else None), None
+        expert_dp = sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
     coord = dense.get_coordinate()
     assert coord is not None
     # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer.
@@ -167,7 +169,9 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     # recomputation on every rank in the same order), before FSDP
     checkpoint_model_blocks(model, layout)
     if dims.dp_shard > 1 or expert_dp.size() > 1:
-        apply_fsdp_qwen3_5_moe(model, dense["fsdp"], expert_dp, reshard_after_forward=dims.reshard_after_forward,
+        # with replicas (HSDP) both meshes are 2-D: (dp_replicate, shard dim)
+        dense_dp = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
+        apply_fsdp_qwen3_5_moe(model, dense_dp, expert_dp, reshard_after_forward=dims.reshard_after_forward,
                                sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
                                mp_policy=fsdp_policy(layout))
         logits_in_float32(model, layout)

@@ -27,14 +27,15 @@ def apply_fsdp_qwen3_5_moe(
     cpu_offload: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Any:
-    """Shard ``model`` in place: experts over the 1-D ``efsdp_mesh`` (the sparse mesh's
-    ``efsdp`` dim), everything else over ``dp_mesh`` (1-D: FSDP; 2-D ``(dp_replicate, shard)``:
-    HSDP).  Gradients are means over the dense data-parallel ranks, or sums with
-    ``sum_gradients`` (the caller then scales the loss).  Returns ``model``."""
-    if efsdp_mesh.ndim != 1:
+    """Shard ``model`` in place: experts over ``efsdp_mesh`` (the sparse mesh's ``efsdp`` dim;
+    2-D ``(dp_replicate, efsdp)`` for HSDP), everything else over ``dp_mesh`` (1-D: FSDP; 2-D
+    ``(dp_replicate, shard)``: HSDP).  Gradients are means over the dense data-parallel ranks, or
+    sums with ``sum_gradients`` (the caller then scales the loss).  Returns ``model``."""
+    if efsdp_mesh.ndim not in (1, 2) or efsdp_mesh.ndim != dp_mesh.ndim:
         raise ValueError(
-            f"apply_fsdp_qwen3_5_moe needs a 1-D efsdp mesh, got {efsdp_mesh.ndim} dims "
-            f"{efsdp_mesh.mesh_dim_names}; pass sparse_mesh['efsdp']"
+            f"apply_fsdp_qwen3_5_moe needs an efsdp mesh of the dense data-parallel mesh's dims ("
+            f"{dp_mesh.ndim}: {dp_mesh.mesh_dim_names}), got {efsdp_mesh.ndim} dims {efsdp_mesh.mesh_dim_names}; pass "
+            f"sparse_mesh['efsdp'], or sparse_mesh['dp_replicate', 'efsdp'] with replicas"
         )
     dp_size = dp_mesh.size()
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
