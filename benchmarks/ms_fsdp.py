@@ -13,6 +13,13 @@ the parameter bytes each rank holds against the whole model's.  Timings are medi
 after a warm-up; the three runners are measured in turn, so load from other processes on the
 machine hits them alike.
 
+MindSpore runs in two modes, each in its own pair of rank processes (the mode is process-wide):
+``async``, PyNative's default, where each op is queued to runtime threads and the Python thread
+waits whenever it needs a result or a collective; and ``blocking`` (``mindspore.runtime.
+launch_blocking()``), where each op runs before the call returns, as torch's CPU ops do.  FSDP's
+collectives drain the asynchronous queue several times a step, so the two modes separate what
+fully_shard costs from what the queue costs on a busy machine.
+
 Run: ./pants run benchmarks/ms_fsdp.py   (or HYPER_PARALLEL_PLATFORM=mindspore python benchmarks/ms_fsdp.py)
 """
 
@@ -90,6 +97,14 @@ def _local_bytes(params: Any) -> int:
     return sum(int(np.prod((p.to_local() if isinstance(p, DTensor) else p).shape)) * 4 for p in params)
 
 
+def _ms_mode(rank: int, world: int, blocking: bool) -> None:
+    """Once per rank process, before any op: MindSpore's launch mode (see the module doc)."""
+    if blocking:
+        import mindspore as ms
+
+        ms.runtime.launch_blocking()
+
+
 def _ms_single(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[str, float]:
     """Rank 0 only: one-process MindSpore on the whole batch (the other rank waits)."""
     if rank != 0:
@@ -150,18 +165,23 @@ def _torch_fsdp(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict
 def main() -> None:
     os.environ.setdefault("HYPER_PARALLEL_PLATFORM", "mindspore")
     print(f"fully_shard on MindSpore: 2 CPU ranks; median of {REPEATS} forward+backward steps (ms)")
-    print(f"{'hidden':>6} {'blocks':>6} {'tokens':>6} | {'MS 1 proc':>9} {'MS fsdp':>8} {'torch fsdp':>10} | "
-          f"{'MS fsdp / 1 proc':>16} {'MS fsdp / torch':>15} | param bytes per rank / whole")
-    with RankPool(2, timeout=600, env={"HYPER_PARALLEL_PLATFORM": "mindspore"}) as ms_pool, \
+    print(f"{'MS mode':>8} {'hidden':>6} {'blocks':>6} {'tokens':>6} | {'MS 1 proc':>9} {'MS fsdp':>8} "
+          f"{'torch fsdp':>10} | {'MS fsdp / 1 proc':>16} {'MS fsdp / torch':>15} | param bytes per rank / whole")
+    ms_env = {"HYPER_PARALLEL_PLATFORM": "mindspore"}
+    with RankPool(2, timeout=600, env=ms_env) as async_pool, RankPool(2, timeout=600, env=ms_env) as block_pool, \
             RankPool(2, timeout=600, env={"HYPER_PARALLEL_PLATFORM": "torch"}) as torch_pool:
+        async_pool.run(_ms_mode, False)
+        block_pool.run(_ms_mode, True)
         for d, blocks, tokens in SIZES:
-            single = ms_pool.run(_ms_single, d, blocks, tokens)[0]
-            fsdp = ms_pool.run(_ms_fsdp, d, blocks, tokens)
-            ours_ms = max(r["ms_fsdp"] for r in fsdp)  # a step ends when its slower rank does
             ours_torch = max(r["torch_fsdp"] for r in torch_pool.run(_torch_fsdp, d, blocks, tokens))
-            share = "/".join(f"{r['bytes']:,}" for r in fsdp)
-            print(f"{d:>6} {blocks:>6} {tokens:>6} | {single['ms']:>9.1f} {ours_ms:>8.1f} {ours_torch:>10.1f} | "
-                  f"{ours_ms / single['ms']:>16.2f} {ours_ms / ours_torch:>15.2f} | {share} / {single['bytes']:,}")
+            for mode, ms_pool in (("async", async_pool), ("blocking", block_pool)):
+                single = ms_pool.run(_ms_single, d, blocks, tokens)[0]
+                fsdp = ms_pool.run(_ms_fsdp, d, blocks, tokens)
+                ours_ms = max(r["ms_fsdp"] for r in fsdp)  # a step ends when its slower rank does
+                share = "/".join(f"{r['bytes']:,}" for r in fsdp)
+                print(f"{mode:>8} {d:>6} {blocks:>6} {tokens:>6} | {single['ms']:>9.1f} {ours_ms:>8.1f} "
+                      f"{ours_torch:>10.1f} | {ours_ms / single['ms']:>16.2f} {ours_ms / ours_torch:>15.2f} | "
+                      f"{share} / {single['bytes']:,}", flush=True)
 
 
 if __name__ == "__main__":

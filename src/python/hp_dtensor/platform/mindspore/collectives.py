@@ -31,12 +31,14 @@ On Ascend the native HCCL collectives are used.  ``CommDebugMode`` counts the lo
 
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, ops
+from mindspore.ops.auto_generate import contiguous as _contiguous_op
 
 from hp_dtensor.comm_debug import record
 from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
@@ -59,7 +61,15 @@ def copy(t: Tensor) -> Tensor:
 
 
 def _nbytes(t: Tensor) -> int:
-    return int(t.size) * int(t.itemsize)
+    """From the shape (``Tensor.size`` waits for the tensor's pending producer)."""
+    return math.prod(_shape(t)) * int(t.itemsize)
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t``'s values in contiguous memory, queued like any op: ``Tensor.contiguous()`` first asks
+    the runtime whether ``t`` is contiguous, which waits for the pending ops that produce ``t``
+    (PyNative runs asynchronously): a stall per call."""
+    return _contiguous_op(t)
 
 
 def _native() -> bool:
@@ -123,7 +133,7 @@ def _stack_gather(t: Tensor, group: Any, n: int, index: int) -> Tensor:
         return ops.AllGather(group=group)(t.reshape((1,) + _shape(t)))
     if t.dtype in _NATIVE_FLOATS:
         if _is_world(group):
-            return ops.AllGather(group=group)(t.reshape((1,) + _shape(t)).contiguous())
+            return ops.AllGather(group=group)(dense(t.reshape((1,) + _shape(t))))
         buf = _neg_zeros((n,) + _shape(t), t.dtype)
         buf[index] = t
         return ops.AllReduce(group=group)(buf)
@@ -191,8 +201,8 @@ def all_gather(t: Any, dim: int, group: Any, n: int, index: int) -> Tensor:
         return _raw_all_gather0(t.reshape((1,)), group, n, index)
     if dim == 0:
         return _raw_all_gather0(t, group, n, index)
-    moved = mint.transpose(t, 0, dim).contiguous()
-    return mint.transpose(_raw_all_gather0(moved, group, n, index), 0, dim).contiguous()
+    moved = dense(mint.transpose(t, 0, dim))
+    return dense(mint.transpose(_raw_all_gather0(moved, group, n, index), 0, dim))
 
 
 def _chunk(t: Tensor, dim: int, n: int, index: int) -> Tensor:
@@ -204,7 +214,7 @@ def _chunk(t: Tensor, dim: int, n: int, index: int) -> Tensor:
 
 def narrow(t: Tensor, dim: int, start: int, length: int) -> Tensor:
     """A contiguous copy of ``t[..., start:start + length, ...]`` along ``dim`` (length may be 0)."""
-    return mint.narrow(t, dim, start, length).contiguous()
+    return dense(mint.narrow(t, dim, start, length))
 
 
 def pad(t: Tensor, dim: int, size: int) -> Tensor:
@@ -227,9 +237,9 @@ def reduce_scatter(t: Any, dim: int, op: str, group: Any, n: int, index: int) ->
         return t
     record("reduce_scatter", _nbytes(t))
     if _native() and op in ("sum", "max", "min"):
-        moved = mint.transpose(t, 0, dim).contiguous() if dim else t
+        moved = dense(mint.transpose(t, 0, dim)) if dim else t
         out = ops.ReduceScatter(op=op, group=group)(moved)
-        return mint.transpose(out, 0, dim).contiguous() if dim else out
+        return dense(mint.transpose(out, 0, dim)) if dim else out
     if op in ("sum", "avg") and (t.dtype in _NATIVE_FLOATS or _native()):
         full = ops.AllReduce(group=group)(t)
         if op == "avg":
@@ -247,11 +257,11 @@ def all_to_all(t: Any, split_dim: int, concat_dim: int, group: Any, n: int, inde
         return t
     record("all_to_all", _nbytes(t))
     if _native():
-        return ops.AlltoAll(split_count=n, split_dim=split_dim, concat_dim=concat_dim, group=group)(t.contiguous())
-    moved = mint.transpose(t, 0, concat_dim).contiguous() if concat_dim else t
+        return ops.AlltoAll(split_count=n, split_dim=split_dim, concat_dim=concat_dim, group=group)(dense(t))
+    moved = dense(mint.transpose(t, 0, concat_dim)) if concat_dim else t
     gathered = _raw_all_gather0(moved, group, n, index)
     if concat_dim:
-        gathered = mint.transpose(gathered, 0, concat_dim).contiguous()
+        gathered = dense(mint.transpose(gathered, 0, concat_dim))
     return _chunk(gathered, split_dim, n, index)
 
 
@@ -263,9 +273,9 @@ def broadcast(t: Any, src_index: int, group: Any, n: int, index: int, src_global
         return t
     record("broadcast", _nbytes(t))
     if _native():
-        return ops.Broadcast(src_global_rank, group=group)((t.contiguous(),))[0]
+        return ops.Broadcast(src_global_rank, group=group)((dense(t),))[0]
     if t.dtype == ms.float32 and _is_world(group):
-        return ops.Broadcast(src_global_rank, group=group)((t.contiguous(),))[0]
+        return ops.Broadcast(src_global_rank, group=group)((dense(t),))[0]
     if t.dtype in _NATIVE_FLOATS and not _is_world(group):
         mine = t if index == src_index else _neg_zeros(_shape(t), t.dtype)
         return ops.AllReduce(group=group)(mine)

@@ -65,6 +65,11 @@ def _group_index(group: Any, n: int) -> int:
     return int(get_rank(group))
 
 
+def _as(t: Tensor, dtype: Any) -> Tensor:
+    """``t`` in ``dtype``; no copy when it already is (``astype`` copies regardless)."""
+    return t if t.dtype == dtype else t.astype(dtype)
+
+
 def _not_here(what: str) -> NoReturn:
     raise NotImplementedError(
         f"{what} is not supported by fully_shard on the mindspore backend: MindSpore parameters hold no .grad "
@@ -85,13 +90,23 @@ class _Done:
 
 def _split_gathered(gathered: Tensor, n: int, chunk_rows: Sequence[int],
                     shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
-    """Each parameter's unsharded value from the rank-major gathered buffer (padding dropped)."""
-    per_rank = gathered.reshape((n, -1))
+    """Each parameter's unsharded value from the rank-major gathered buffer (padding dropped):
+    one concatenation of the ranks' pieces per parameter, the only copy (a reshape of a strided
+    view would copy once more)."""
+    flat = gathered.reshape((-1,))
+    per_rank = _shape(flat)[0] // n
     out, offset = [], 0
     for rows, shape in zip(chunk_rows, shapes):
-        width = rows * _row_numel(shape)
-        piece = mint.narrow(per_rank, 1, offset, width).reshape((n * rows,) + tuple(shape[1:]))
-        out.append(mint.narrow(piece, 0, 0, shape[0]).contiguous())
+        row = _row_numel(shape)
+        width = rows * row
+        if width == 0:
+            out.append(mint.zeros(tuple(shape), dtype=gathered.dtype))
+            continue
+        pieces = [mint.narrow(flat, 0, r * per_rank + offset, width) for r in range(n)]
+        joined = mint.cat(pieces, 0)
+        if n * width != shape[0] * row:  # the last rank's padding
+            joined = C.dense(mint.narrow(joined, 0, 0, shape[0] * row))
+        out.append(joined.reshape(tuple(shape)))
         offset += width
     return out
 
@@ -184,7 +199,7 @@ class _MindSporeFSDP:
     @staticmethod
     def rows(t: Any, start: int, length: int) -> Tensor:
         with NoFallbackGuard():
-            return C.copy(mint.narrow(C._plain(t), 0, start, length).contiguous())
+            return C.copy(C.dense(mint.narrow(C._plain(t), 0, start, length)))
 
     @staticmethod
     def empty(shape: Sequence[int], dtype: Any, device: Any) -> Tensor:
@@ -237,7 +252,7 @@ class _MindSporeFSDP:
                 shape = _shape(s)
                 if shape[0] < rows:
                     s = C.pad(s, 0, rows)
-                pieces.append(s.astype(dtype).reshape((-1,)))
+                pieces.append(_as(s, dtype).reshape((-1,)))
             return mint.cat(pieces, 0)
 
     @staticmethod
@@ -255,7 +270,7 @@ class _MindSporeFSDP:
                 shape = _shape(g)
                 if shape[0] < n * rows:
                     g = C.pad(g, 0, n * rows)
-                cols.append(g.astype(dtype).reshape((n, rows * _row_numel(shape))))
+                cols.append(_as(g, dtype).reshape((n, rows * _row_numel(shape))))
             return mint.cat(cols, 1).reshape((-1,))
 
     @staticmethod
@@ -267,7 +282,7 @@ class _MindSporeFSDP:
             for rows, shape, dtype in zip(chunk_rows, shard_shapes, dtypes):
                 numel = shape[0] * _row_numel(shape)
                 piece = mint.narrow(flat, 0, offset, numel).reshape(tuple(shape))
-                out.append((piece * scale).astype(dtype))
+                out.append(_as(piece * scale, dtype))
                 offset += rows * _row_numel(shape)
         return out
 
