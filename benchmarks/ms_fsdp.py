@@ -16,7 +16,8 @@ machine hits them alike.
 MindSpore runs in two modes, each in its own pair of rank processes (the mode is process-wide):
 ``async``, PyNative's default, where each op is queued to runtime threads and the Python thread
 waits whenever it needs a result or a collective; and ``blocking`` (``mindspore.runtime.
-launch_blocking()``), where each op runs before the call returns, as torch's CPU ops do.  FSDP's
+launch_blocking()``, what the MindSpore backend's ``set_num_threads`` sets in every rank of a
+rank pool), where each op runs before the call returns, as torch's CPU ops do.  FSDP's
 collectives drain the asynchronous queue several times a step, so the two modes separate what
 fully_shard costs from what the queue costs on a busy machine.
 
@@ -97,14 +98,6 @@ def _local_bytes(params: Any) -> int:
     return sum(int(np.prod((p.to_local() if isinstance(p, DTensor) else p).shape)) * 4 for p in params)
 
 
-def _ms_mode(rank: int, world: int, blocking: bool) -> None:
-    """Once per rank process, before any op: MindSpore's launch mode (see the module doc)."""
-    if blocking:
-        import mindspore as ms
-
-        ms.runtime.launch_blocking()
-
-
 def _ms_single(rank: int, world: int, d: int, blocks: int, tokens: int) -> dict[str, float]:
     """Rank 0 only: one-process MindSpore on the whole batch (the other rank waits)."""
     if rank != 0:
@@ -168,10 +161,11 @@ def main() -> None:
     print(f"{'MS mode':>8} {'hidden':>6} {'blocks':>6} {'tokens':>6} | {'MS 1 proc':>9} {'MS fsdp':>8} "
           f"{'torch fsdp':>10} | {'MS fsdp / 1 proc':>16} {'MS fsdp / torch':>15} | param bytes per rank / whole")
     ms_env = {"HYPER_PARALLEL_PLATFORM": "mindspore"}
-    with RankPool(2, timeout=600, env=ms_env) as async_pool, RankPool(2, timeout=600, env=ms_env) as block_pool, \
+    # blocking: the backend's set_num_threads(1), which every rank pool calls by default;
+    # async: the pool leaves MindSpore's defaults (threads_per_rank=None)
+    with RankPool(2, timeout=600, env=ms_env, threads_per_rank=None) as async_pool, \
+            RankPool(2, timeout=600, env=ms_env) as block_pool, \
             RankPool(2, timeout=600, env={"HYPER_PARALLEL_PLATFORM": "torch"}) as torch_pool:
-        async_pool.run(_ms_mode, False)
-        block_pool.run(_ms_mode, True)
         for d, blocks, tokens in SIZES:
             ours_torch = max(r["torch_fsdp"] for r in torch_pool.run(_torch_fsdp, d, blocks, tokens))
             for mode, ms_pool in (("async", async_pool), ("blocking", block_pool)):

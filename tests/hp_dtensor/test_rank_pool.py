@@ -73,6 +73,25 @@ def test_one_and_two_rank_pools() -> None:
         assert p2.run(_all_reduce) == [3.0, 3.0]
 
 
+def _threads(rank: int, world_size: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_threads_per_rank() -> None:
+    """Ranks keep to one thread by default (they share the machine's cores); None leaves the
+    framework's own default; anything below 1 is refused naming the value."""
+    import torch
+
+    with RankPool(2, threads_per_rank=None) as free:
+        assert free.run(_threads) == [torch.get_num_threads()] * 2
+    with RankPool(2, threads_per_rank=2) as two:
+        assert two.run(_threads) == [2, 2]
+    with pytest.raises(ValueError, match="threads_per_rank must be None or >= 1, got 0"):
+        RankPool(2, threads_per_rank=0)
+
+
 @pytest.mark.parametrize("world", [8, 16])
 def test_fake_world_builds_meshes_of_any_size(world: int) -> None:
     from hp_dtensor import init_device_mesh

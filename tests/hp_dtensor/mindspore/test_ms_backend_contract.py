@@ -31,3 +31,21 @@ def test_init_rank_names_the_world_mismatch() -> None:
     # naming what to set, not run as a world of one.
     with pytest.raises(RuntimeError, match="expected 0 of 2"):
         ms_backend.init_rank(None, "/unused", 0, 2, timeout_s=30)
+
+
+def _launch_blocking(rank: int, world: int) -> bool:
+    from mindspore._c_expression import RuntimeConf
+
+    return bool(RuntimeConf.get_instance().is_launch_blocking())
+
+
+def test_rank_pool_ranks_run_ops_synchronously() -> None:
+    """Rank-pool ranks share the machine's cores: set_num_threads makes MindSpore run each op
+    before the call returns; a pool that keeps the framework's defaults keeps its async queue."""
+    from hp_dtensor.testing import RankPool
+
+    env = {"HYPER_PARALLEL_PLATFORM": "mindspore"}
+    with RankPool(2, timeout=120, env=env) as pool:
+        assert pool.run(_launch_blocking) == [True, True]
+    with RankPool(2, timeout=120, env=env, threads_per_rank=None) as pool:
+        assert pool.run(_launch_blocking) == [False, False]

@@ -50,13 +50,15 @@ def _ms_scheduler_main(env: dict[str, str]) -> None:
 
 
 def _rank_main(
-    rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str]
+    rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str],
+    threads: int | None,
 ) -> None:
     os.environ.update(env)
     from hp_dtensor.platform import current
 
     plat = current()
-    plat.set_num_threads(1)
+    if threads is not None:
+        plat.set_num_threads(threads)
     try:
         plat.init_rank(backend, store_path, rank, world_size, timeout_s=300)
     except BaseException:
@@ -80,10 +82,17 @@ class RankPool:
     """``world_size`` rank processes; start on first ``run``; ``close`` (or ``with``) stops them."""
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = 60.0,
-                 start_timeout: float = 120.0, env: dict[str, str] | None = None) -> None:
+                 start_timeout: float = 120.0, env: dict[str, str] | None = None,
+                 threads_per_rank: int | None = 1) -> None:
+        """``threads_per_rank``: what each rank passes to the backend's ``set_num_threads`` before
+        joining (ranks share the machine's cores); None keeps the framework's defaults (e.g.
+        MindSpore's asynchronous op queue, for a benchmark that measures it)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if threads_per_rank is not None and threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be None or >= 1, got {threads_per_rank}")
         self.world_size = world_size
+        self.threads_per_rank = threads_per_rank
         self.backend = backend
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -109,7 +118,7 @@ class RankPool:
             p = _ctx.Process(
                 target=_rank_main,
                 args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results,
-                      {**self.env, **rank_env(rank)}),
+                      {**self.env, **rank_env(rank)}, self.threads_per_rank),
                 daemon=True,
             )
             p.start()

@@ -58,7 +58,15 @@ NAME = "mindspore"
 
 
 def set_num_threads(n: int) -> None:
-    """MindSpore sizes its CPU thread pool from the context; nothing to do per process."""
+    """A rank told to keep to ``n`` threads shares the machine's cores with other ranks: MindSpore
+    then runs each op before the call returns (``mindspore.runtime.launch_blocking``), as torch's
+    CPU ops do.  PyNative's default queues ops to runtime threads of every process and drains the
+    queue at each collective; with 4 ranks on 2 cores a MindSpore gradient test ran 2.3x faster
+    synchronous (22.7 s against 52.5 s).  Process-wide and one-way: call it before any op runs.
+    (MindSpore sizes its kernel thread pool from the context; ``n`` is not passed on.)"""
+    import mindspore as ms
+
+    ms.runtime.launch_blocking()
 
 
 if TYPE_CHECKING:
