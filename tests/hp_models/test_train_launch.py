@@ -27,6 +27,15 @@ def _pid_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.pid")
 
 
+def _write_pid(folder: str, rank: int) -> None:
+    """This process's pid in its rank's file, whole or not at all: a peer polling for the file
+    must never read it half written (open() creates it before the write lands)."""
+    tmp = _pid_file(folder, rank) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, _pid_file(folder, rank))
+
+
 def _zombie_or_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -37,8 +46,7 @@ def _zombie_or_gone(pid: int) -> bool:
 
 def _killed_rank_and_survivor(rank: int, world: int, folder: str, store: str, results: Any, launcher: int) -> None:
     """Rank 0 is killed; rank 1 waits until it is dead, then reports what a gloo peer reports."""
-    with open(_pid_file(folder, rank), "w") as f:
-        f.write(str(os.getpid()))
+    _write_pid(folder, rank)
     if rank == 0:
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -53,8 +61,7 @@ def _killed_rank_and_survivor(rank: int, world: int, folder: str, store: str, re
 
 
 def _sleeper(rank: int, world: int, folder: str, store: str, results: Any, launcher: int) -> None:
-    with open(_pid_file(folder, rank), "w") as f:
-        f.write(str(os.getpid()))
+    _write_pid(folder, rank)
     time.sleep(120)
 
 
