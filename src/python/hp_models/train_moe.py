@@ -3,11 +3,13 @@
 ``--config tiny-moe`` (or a ``qwen3_5_moe`` config.json) trains the MoE model; ``expert_parallel``
 (``--ep``) spreads its routed experts over that many ranks.  The model is built on two meshes from
 the job's sizes (with the job's activation checkpointing of the decoder layers and its mixed
-precision, as the dense model): the dense mesh ``[pp, dp_replicate, fsdp, tp]`` for everything but the routed
-experts (tensor parallel with sequence parallel, as the dense model) and the sparse mesh
+precision, as the dense model): the dense mesh ``[pp, dp_replicate, fsdp, tp]`` for everything but
+the routed experts (tensor parallel with sequence parallel, as the dense model) and the sparse mesh
 ``[pp, dp_replicate, efsdp, ep]`` (``efsdp = dp_shard * tp // ep``) for the experts: sharded
 over ``ep`` with tokens dispatched to them by all-to-all, and fully sharded over ``efsdp``, which
-also sums their gradients over the ranks holding the same experts.  The loss of each forward is
+also sums their gradients over the ranks holding the same experts (with ``ep <= tp`` the experts
+keep a TP split over ``etp`` and are fully sharded over ``edp``; with replicas both are HSDP).
+Under TP the logits stay split over the vocab (loss parallel).  The loss of each forward is
 the next-token cross entropy plus ``router_aux_loss_coef`` times the router's load-balancing
 loss over that forward's tokens (all of its tensor-parallel group's).
 
@@ -128,7 +130,8 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh (and, with
     ``ep <= tp``, a TP split of the experts over ``etp``) and FSDP (dense parameters over the
     data-parallel ranks, experts over ``efsdp``, or ``edp`` under ``etp``; HSDP with replicas over
-    ``dp_replicate`` for both) as ``layout`` says, and this rank's data-parallel index.  The model carries its ``ExpertLoad`` as ``expert_load``."""
+    ``dp_replicate`` for both) as ``layout`` says, and this rank's data-parallel index.  The
+    model carries its ``ExpertLoad`` as ``expert_load``."""
     torch.manual_seed(seed)
     model = config.build()
     model.init_weights()

@@ -65,8 +65,8 @@ def ensure_process_group(device_type: str) -> None:
         # MindSpore refuses set_device once a kernel has run in the process (a single-process
         # computation, or an earlier job this process left).  The device cannot change then, so
         # the request is honoured when the runtime already runs on the target.
-        running = str(ms.get_context("device_target"))
         if "has been initialized" in str(e):
+            running = str(ms.get_context("device_target"))
             if running != target:
                 raise RuntimeError(
                     f"device_type={device_type!r} needs MindSpore on {target}, but this process already runs "
