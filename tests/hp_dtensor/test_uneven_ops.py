@@ -14,10 +14,14 @@ pool4 = rank_pool_fixture(4, timeout=120)
 
 OPS = (
     "add_scalar", "mul", "add_bias", "zeros_like_add", "inplace_add", "foreach_add", "sum_dim", "sum_all",
-    "mean_dim", "amax_dim", "matmul", "linear", "softmax", "view",
+    "mean_dim", "amax_dim", "matmul", "linear", "softmax", "view", "rms_norm", "sum_row", "mean_row_keep",
+    "amax_row_keep", "row_scale",
 )
 # pointwise ops keep the uneven shards and compute locally: no collective
 LOCAL = {"add_scalar", "mul", "add_bias", "zeros_like_add", "inplace_add", "foreach_add"}
+# per-row statistics (a reduction over the columns, then broadcast back): local too when only the
+# rows are sharded -- an RMSNorm over the hidden dim of a sequence-sharded activation
+LOCAL_IF_ROWS = {"rms_norm", "sum_row", "mean_row_keep", "amax_row_keep", "row_scale"}
 
 
 def _apply(name: str, x: Any, w: Any) -> Any:
@@ -47,6 +51,16 @@ def _apply(name: str, x: Any, w: Any) -> Any:
         return x.mean(0)
     if name == "amax_dim":
         return x.amax(0)
+    if name == "rms_norm":
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * (1.0 + w[:, 0])
+    if name == "sum_row":
+        return x.sum(-1)
+    if name == "mean_row_keep":
+        return x.mean(-1, keepdim=True)
+    if name == "amax_row_keep":
+        return x.amax(-1, keepdim=True)
+    if name == "row_scale":
+        return x * x.sum(-1, keepdim=True)
     if name == "matmul":
         return x @ w
     if name == "linear":
@@ -77,7 +91,8 @@ def _uneven_ops(rank: int, world: int) -> list[tuple[str, Any, Any, bool, bool]]
                 try:
                     with CommDebugMode() as comm:
                         y = _apply(name, x, w)
-                    if name in LOCAL and comm.get_total_counts():
+                    rows_only = all(p.dim == 0 for p in pl)
+                    if (name in LOCAL or (name in LOCAL_IF_ROWS and rows_only)) and comm.get_total_counts():
                         raise AssertionError(f"pointwise op communicated: {comm.get_comm_counts()}")
                     full = y.full_tensor()
                     weight = torch.linspace(-1, 1, full.numel(), dtype=torch.float64).reshape(full.shape)

@@ -243,6 +243,8 @@ def _cache_cases(rank, world):
             ("mean((0, 1))", lambda x: x.mean((0, 1))),
             ("mean(0, True)", lambda x: x.mean(0, True)),
             ("mean(0)", lambda x: x.mean(0)),
+            ("mean(-1, keep_dims=True)", lambda x: x.mean(-1, keep_dims=True)),
+            ("mean(axis=(0, 2))", lambda x: x.mean(axis=(0, 2))),
             ("ops.add(x, 1)", lambda x: ops.add(x, 1)),
             ("ops.add(x, True)", lambda x: ops.add(x, True)),
             ("ops.add(x, 1.0)", lambda x: ops.add(x, 1.0)),

@@ -453,7 +453,8 @@ class DispatchCore:
 
         Rules assume equal shards on every rank: an unevenly sharded input is shown to them in its
         nearest even layout and moved to it before the op -- except where a pointwise rule may run
-        shard by shard on the uneven layout itself, or ``keep_layout`` (in-place updates, which
+        shard by shard on the uneven layout itself, a rule's ``uneven_rule`` keeps it (reductions
+        over unsharded dims), or ``keep_layout`` (in-place updates, which
         keep the layout they find) says to show the real one."""
         actual_call = OpCall(name, mesh.shape, args, kwargs, coordinate)
         actual = [t.placements for t in actual_call.tensors()]
@@ -472,6 +473,11 @@ class DispatchCore:
                 kept = uneven_pointwise_rule(actual_call, n_outputs=n_pointwise, inplace=inplace)
                 if kept is not None:
                     return dataclasses.replace(kept, kernel=getattr(rule, "uneven_kernel", None)), False
+            uneven_rule = getattr(rule, "uneven_rule", None)
+            if shown != actual and uneven_rule is not None:
+                kept = uneven_rule(actual_call)
+                if kept is not None:
+                    return kept, False
         if rule is None:
             label = self._fallback_label(name)
             if name not in self.warned:

@@ -158,6 +158,14 @@ def keeps_uneven(rule: Rule, n_outputs: int = 1, kernel_name: str | None = None)
     return rule
 
 
+def sees_uneven(rule: Rule, uneven_rule: Callable[[OpCall], Decision | None]) -> Rule:
+    """Give ``rule`` an ``uneven_rule``: on unevenly sharded inputs dispatch asks it first, with
+    the real layout; its decision (which must set ``out_shape`` when it keeps the uneven layout)
+    is taken, and None falls back to ``rule`` on the nearest even layout."""
+    rule.uneven_rule = uneven_rule  # type: ignore[attr-defined]
+    return rule
+
+
 def replicated_rule(call: OpCall) -> Decision:
     """Compute on whole tensors: for the shapes of an op that its rule has no sharding for."""
     rep = tuple(Replicate() for _ in call.mesh_shape)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.sharding.op_args import dims_of, prim_inputs, reduce_args
-from hp_dtensor.sharding.op_call import Decision, OpCall, Rule, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, Rule, TensorInfo, sees_uneven
 
 # any/all give booleans: the any of every rank's any is their max, the all their min.
 _PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min", "any": "max", "all": "min"}
@@ -56,6 +56,23 @@ def reduction_rule(
 def _reduced(t: TensorInfo, dims: Sequence[int] | None) -> set[int]:
     ndim = max(t.ndim, 1)
     return set(range(t.ndim)) if dims is None or len(dims) == 0 else {d % ndim for d in dims}
+
+
+def uneven_reduction_rule(call: OpCall, dims: Sequence[int] | None, keepdim: bool, n_outputs: int = 1) -> Decision | None:
+    """A reduction of an unevenly sharded input over dims no mesh dim shards (an RMSNorm's mean
+    over the hidden dim of a sequence-sharded activation): each rank reduces its own rows and the
+    uneven layout is kept, instead of gathering the input.  None when a sharded dim is reduced
+    or an input is Partial (then the even-layout rule decides)."""
+    t: TensorInfo = call.args[0]
+    red = _reduced(t, dims)
+    if any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim in red) for p in t.placements):
+        return None
+    out = tuple(
+        Shard(p.dim - sum(d < p.dim for d in red)) if isinstance(p, Shard) and not keepdim else p
+        for p in t.placements
+    )
+    shape = tuple(1 if d in red else n for d, n in enumerate(t.shape) if keepdim or d not in red)
+    return Decision((t.placements,), tuple(out for _ in range(n_outputs)), out_shape=shape)
 
 
 def gathered_reduction_rule(call: OpCall, dims: Sequence[int] | None, keepdim: bool, n_outputs: int = 1) -> Decision:
@@ -111,7 +128,11 @@ def reduction_family(kind: str) -> Rule:
             return extremum_across_ranks(dec, kind)
         return dec
 
-    return rule
+    def uneven(call: OpCall) -> Decision | None:
+        x, dims, keep = reduce_args(call)
+        return uneven_reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), dims, keep)
+
+    return sees_uneven(rule, uneven)
 
 
 def extremum_across_ranks(dec: Decision, kind: str) -> Decision:

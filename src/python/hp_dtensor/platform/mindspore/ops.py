@@ -115,7 +115,9 @@ def _stack_kernel(mesh: Any, decision: Decision, tensors: Any, axis: Any = 0, **
 
 # ---------------------------------------------------------------- reductions
 register("SumExt", "ReduceSum")(reduction_family("sum"))
-register("MeanExt", "ReduceMean")(reduction_family("mean"))
+# (``Tensor.mean(axis, keep_dims=...)`` with MindSpore's own keyword reaches DeprecatedMean,
+# whose arguments are the functional form's: input, axis, keep_dims)
+register("MeanExt", "ReduceMean", "DeprecatedMean")(reduction_family("mean"))
 register("ReduceMax", "Max")(reduction_family("amax"))
 register("ReduceMin", "Min")(reduction_family("amin"))
 register("ReduceAny", "Any", "AnyExt")(reduction_family("any"))

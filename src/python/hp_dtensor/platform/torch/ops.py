@@ -36,7 +36,7 @@ from hp_dtensor.sharding.loss import (
 from hp_dtensor.sharding.matrix import einsum_rule
 from hp_dtensor.sharding.norms import layer_norm_backward_rule, layer_norm_rule, softmax_rule
 from hp_dtensor.sharding.op_args import dims_arg, float_arg, int_arg, keepdim_arg
-from hp_dtensor.sharding.op_call import Decision, keeps_uneven
+from hp_dtensor.sharding.op_call import Decision, Rule, keeps_uneven, sees_uneven
 from hp_dtensor.sharding.pointwise import SCALAR_ONCE, masked_fill_rule, pointwise_family
 from hp_dtensor.sharding.python_values import (
     global_compare_rule,
@@ -47,6 +47,7 @@ from hp_dtensor.sharding.reductions import (
     foreach_norm_rule,
     gathered_reduction_rule,
     reduction_rule,
+    uneven_reduction_rule,
     vector_norm_rule,
 )
 from hp_dtensor.sharding.triangular import triangular_rule
@@ -201,12 +202,21 @@ register(aten.stack.default)(
 
 
 # ---------------------------------------------------------------- reductions
+def _over_dims(kind: str) -> Rule:
+    """A ``kind`` reduction ``(x, dims, keepdim)``, kept shard by shard on an unevenly sharded
+    input whose sharded dims it does not reduce."""
+    return sees_uneven(
+        lambda c: reduction_rule(c, kind, dims_arg(c, 1), keepdim_arg(c, 2)),
+        lambda c: uneven_reduction_rule(c, dims_arg(c, 1), keepdim_arg(c, 2)),
+    )
+
+
 register(aten.sum.default)(lambda c: reduction_rule(c, "sum", None, False))
-register(aten.sum.dim_IntList)(lambda c: reduction_rule(c, "sum", dims_arg(c, 1), keepdim_arg(c, 2)))
+register(aten.sum.dim_IntList)(_over_dims("sum"))
 register(aten.mean.default)(lambda c: reduction_rule(c, "mean", None, False))
-register(aten.mean.dim)(lambda c: reduction_rule(c, "mean", dims_arg(c, 1), keepdim_arg(c, 2)))
-register(aten.amax.default)(lambda c: reduction_rule(c, "amax", dims_arg(c, 1), keepdim_arg(c, 2)))
-register(aten.amin.default)(lambda c: reduction_rule(c, "amin", dims_arg(c, 1), keepdim_arg(c, 2)))
+register(aten.mean.dim)(_over_dims("mean"))
+register(aten.amax.default)(_over_dims("amax"))
+register(aten.amin.default)(_over_dims("amin"))
 register(aten.max.default)(lambda c: reduction_rule(c, "amax", None, False))
 register(aten.min.default)(lambda c: reduction_rule(c, "amin", None, False))
 register(aten.max.dim)(lambda c: reduction_rule(c, "max_with_indices", dims_arg(c, 1), keepdim_arg(c, 2), 2))
