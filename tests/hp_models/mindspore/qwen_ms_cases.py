@@ -87,22 +87,27 @@ def worst(ref: np.ndarray, got: np.ndarray, rtol: float = 1.5e-4, atol: float = 
     return float(diff.max()), float((diff / (atol + rtol * np.abs(np.asarray(ref, np.float64)))).max())
 
 
-def ms_tp_run(rank: int, world: int, seed: int, tie: bool, folder: str) -> dict[str, object]:
+def ms_tp_run(
+    rank: int, world: int, seed: int, tie: bool, folder: str, sp: bool = False, lp: bool = False
+) -> dict[str, object]:
     """On each MindSpore rank: the model loaded from ``folder``, parallelized over a ``world``-rank
-    tp mesh by ``parallelize_qwen3_5_ms_tp``; the same figures as ``ms_run``, each gradient as
-    this rank's local shard with its parameter's placements (the test assembles them)."""
+    tp mesh by ``parallelize_qwen3_5_ms_tp`` (with sequence parallelism ``sp``, loss parallel
+    ``lp``); the same figures as ``ms_run``, each gradient as this rank's local shard with its
+    parameter's placements (the test assembles them), the logits whole, and the collectives of
+    one forward by kind."""
     import mindspore as ms
     from mindspore import Tensor, ops
 
-    from hp_dtensor import DTensor, init_device_mesh
+    from hp_dtensor import CommDebugMode, DTensor, init_device_mesh
     from hp_dtensor.platform import current
     from hp_models.qwen3_5.mindspore import Qwen3_5ForCausalLM, load_hf_weights, parallelize_qwen3_5_ms_tp
+    from hp_tp import loss_parallel
 
     cfg = config(tie)
     model = Qwen3_5ForCausalLM(cfg)
     load_hf_weights(model, folder)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    parallelize_qwen3_5_ms_tp(model, mesh)
+    parallelize_qwen3_5_ms_tp(model, mesh, sequence_parallel=sp, loss_parallel=lp)
     ids, targets = batch(seed, cfg.vocab_size)
     names: dict[int, str] = {}
     for name, p in current().state_dict(model).items():
@@ -111,19 +116,26 @@ def ms_tp_run(rank: int, world: int, seed: int, tie: bool, folder: str) -> dict[
 
     def loss_fn(x, y):
         logits = model(x)
+        if lp:
+            with loss_parallel():
+                loss = ops.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1))
+            return loss, logits.full_tensor()
         logits = logits.to_local() if isinstance(logits, DTensor) else logits
         return ops.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1)), logits
 
+    with CommDebugMode() as comm:
+        model(Tensor(ids))
     (loss, logits), grads = ms.value_and_grad(loss_fn, None, params, has_aux=True)(Tensor(ids), Tensor(targets))
 
     def plain(t):
         return (t.to_local() if isinstance(t, DTensor) else t).asnumpy()
 
     return {
-        "logits": logits.asnumpy(), "loss": float(loss.asnumpy()),
+        "logits": logits.asnumpy(), "loss": float(plain(loss)),
         "grads": {names[id(p)]: plain(g) for p, g in zip(params, grads)},
         "placements": {names[id(p)]: tuple(p.placements) if isinstance(p, DTensor) else None for p in params},
         "grad_types": sorted({type(g).__name__ for g in grads}),
+        "forward_collectives": {str(k): v for k, v in comm.get_comm_counts().items()},
     }
 
 
