@@ -3,7 +3,8 @@
 checkpoint across frameworks: saved by torch at tp=2 (gloo) and loaded by MindSpore at tp=4 (mccl)
 and in one MindSpore process, and saved by MindSpore at tp=4 and loaded by torch at tp=2 and
 unsharded -- every parameter bit-equal to the weights it was saved from.  MindSpore also loads
-its own checkpoint under other layouts, and refuses damaged or missing files on every rank."""
+its own checkpoint under other layouts, and refuses damaged or missing files on every rank.
+bfloat16 crosses in both directions bit for bit."""
 
 from __future__ import annotations
 
@@ -119,28 +120,96 @@ def test_damaged_torch_checkpoint_is_refused_by_mindspore(ms_pool, torch_pool, d
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _save_bf16(rank, world, root):
+def _bf16_values(seed):
+    """bfloat16 bit patterns (uint16) of a (10, 6) weight -- uneven over 4 ranks -- with the
+    values a careless checkpoint would mangle: -0.0, infinities, NaN, a subnormal -- and a (6,)
+    bias.  (The NaN is the canonical quiet one: MindSpore's float32 -> bfloat16 cast, which
+    builds the tensors, drops a NaN's payload bits.)"""
+    rs = np.random.RandomState(seed)
+    w = (rs.randn(10, 6).astype(np.float32) * 3).view(np.uint32) >> 16
+    w.reshape(-1)[:5] = [0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x0001]
+    b = (rs.randn(6).astype(np.float32)).view(np.uint32) >> 16
+    return {"w": w.astype(np.uint16), "b": b.astype(np.uint16)}
+
+
+def _bf16_state(framework, world, seed):
+    """The state dict of ``_bf16_values(seed)`` as bfloat16 DTensors: ``w`` Shard(0), ``b``
+    replicated, ``f`` a float32 neighbour."""
+    from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    values = _bf16_values(seed)
+    if framework == "torch":
+        import torch
+
+        def make(bits):
+            return torch.from_numpy(bits.astype(np.int16)).view(torch.bfloat16)
+
+        f = torch.arange(3, dtype=torch.float32)
+    else:
+        import mindspore as ms
+        from mindspore import Tensor
+
+        def make(bits):
+            return Tensor((bits.astype(np.uint32) << 16).view(np.float32)).astype(ms.bfloat16)
+
+        f = Tensor(np.arange(3, dtype=np.float32))
+    return {"w": distribute_tensor(make(values["w"]), mesh, [Shard(0)]),
+            "b": distribute_tensor(make(values["b"]), mesh, [Replicate()]),
+            "f": distribute_tensor(f, mesh, [Replicate()])}
+
+
+def _bits(v):
+    """A (DTensor) bfloat16 tensor's bit patterns, whole, as uint16."""
+    whole = v.full_tensor()
+    if hasattr(whole, "detach"):
+        import torch
+
+        return whole.detach().view(torch.int16).numpy().view(np.uint16) if whole.dtype == torch.bfloat16 \
+            else whole.detach().numpy()
     import mindspore as ms
-    from mindspore import Tensor
 
+    if whole.dtype == ms.bfloat16:
+        return (whole.astype(ms.float32).asnumpy().view(np.uint32) >> 16).astype(np.uint16)
+    return whole.asnumpy()
+
+
+def _save_bf16(rank, world, framework, seed, root):
     from hp_checkpoint.safetensors_shards import save_shards
-    from hp_dtensor.layout.shard_boxes import CheckpointError
-    from hyper_parallel import Shard, distribute_tensor, init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    state = {"w": distribute_tensor(Tensor(np.ones((8, 2), np.float32)).astype(ms.bfloat16), mesh, [Shard(0)])}
-    try:
-        save_shards(state, root, 2)
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
+    return save_shards(_bf16_state(framework, world, seed), root, 3)
 
 
-def test_mindspore_bfloat16_save_is_refused_on_every_rank(ms_pool) -> None:
+def _load_bf16(rank, world, framework, path):
+    from hp_checkpoint.safetensors_shards import load_shards
+
+    state = _bf16_state(framework, world, 999)
+    load_shards(state, path)
+    return {k: _bits(v) for k, v in state.items()}
+
+
+def _check_bf16(got, seed):
+    want = _bf16_values(seed)
+    for k in ("w", "b"):
+        assert got[k].dtype == np.uint16 and np.array_equal(got[k], want[k]), k
+    assert np.array_equal(got["f"], np.arange(3, dtype=np.float32))
+
+
+def test_bfloat16_crosses_frameworks_bit_exact(ms_pool, torch_pool) -> None:
+    """bfloat16 saved by MindSpore at 4 ranks loads in torch at 2 and back in MindSpore; saved by
+    torch at 2 it loads in MindSpore at 4 -- every bit pattern kept (-0.0, infinities, NaN, a
+    subnormal)."""
     root = tempfile.mkdtemp()
     try:
-        for msg in ms_pool.run(_save_bf16, root):
-            assert "tensor 'w|" in msg and "is bfloat16, which safetensors' numpy API" in msg, msg
-        assert not any(n.startswith("step-") for n in os.listdir(root))
+        ms_path = ms_pool.run(_save_bf16, "mindspore", 7, os.path.join(root, "ms"))[0]
+        for got in torch_pool.run(_load_bf16, "torch", ms_path):
+            _check_bf16(got, 7)
+        for got in ms_pool.run(_load_bf16, "mindspore", ms_path):
+            _check_bf16(got, 7)
+        torch_path = torch_pool.run(_save_bf16, "torch", 8, os.path.join(root, "torch"))[0]
+        for got in ms_pool.run(_load_bf16, "mindspore", torch_path):
+            _check_bf16(got, 8)
+        print("bfloat16 (10, 6) + (6,) entries: MindSpore 4 ranks -> torch 2 and MindSpore 4, torch 2 -> "
+              "MindSpore 4, bit-equal")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,17 +1,14 @@
-"""Box transfer and safetensors primitives of MindSpore (``TransferPrimitives``, ``ShardFilePrimitives``).
+"""Box transfer primitives of MindSpore (``TransferPrimitives``).
 
 mccl on CPU has no point-to-point, so ``send``/``recv`` (gathering a tensor onto one rank) are
 refused.  The rank, world size, object gather (the collectives module's, on the world group), spec
-and shape are the neutral ``TransferBase``.  safetensors files are written and read through
-safetensors' numpy API, so they hold the same bytes a torch run writes; numpy has no bfloat16, so
-bfloat16 tensors are refused by name.  dtype names are the framework-neutral lowercase names torch
-uses too.
+and shape are the neutral ``TransferBase``.  dtype names are the framework-neutral lowercase names
+torch uses too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any
 
 import mindspore as ms
@@ -34,13 +31,6 @@ def dtype_name(dtype: Any) -> str:
         if d == dtype:
             return name
     raise ValueError(f"dtype {dtype} has no checkpoint name; supported: {sorted(_DTYPES)}")
-
-
-def _numpy_of(t: Any, what: str) -> np.ndarray:
-    if t.dtype == ms.bfloat16:
-        raise ValueError(f"{what} is bfloat16, which safetensors' numpy API (used on MindSpore) cannot store; "
-                         f"cast it to float32 before saving")
-    return np.require(_plain(t).asnumpy(), requirements="C")
 
 
 class _MsTransfer(TransferBase):
@@ -71,6 +61,13 @@ class _MsTransfer(TransferBase):
             target.assign_value(piece.astype(target.dtype))
             return
         index = tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))
+        if target.dtype == ms.bfloat16:
+            # MindSpore's CPU slice assignment has no bfloat16 kernel: assign in float32, which
+            # holds every bfloat16 exactly, and cast back
+            wide = target.astype(ms.float32)
+            wide[index] = piece.astype(ms.float32)
+            target.copy_(wide.astype(ms.bfloat16))  # in place: the storage the DTensor shares
+            return
         target[index] = piece.astype(target.dtype)
 
     @staticmethod
@@ -84,33 +81,4 @@ class _MsTransfer(TransferBase):
                                   "MindSpore's CPU collectives (mccl) lack; export on the torch backend")
 
 
-class _MsShardFiles:
-    @staticmethod
-    def write(tensors: Mapping[str, Any], path: str) -> None:
-        from safetensors.numpy import save_file
-
-        save_file({k: _numpy_of(v, f"tensor {k!r}") for k, v in tensors.items()}, path, metadata={"format": "np"})
-
-    @staticmethod
-    def open(path: str) -> AbstractContextManager[Any]:
-        from safetensors import safe_open
-
-        return safe_open(path, framework="np")  # type: ignore[no-any-return]
-
-    @staticmethod
-    def read(handle: Any, key: str, start: Sequence[int], stop: Sequence[int]) -> Tensor:
-        """Elements ``start:stop`` of entry ``key``, reading only those bytes from disk."""
-        if not start:
-            return Tensor(np.asarray(handle.get_tensor(key)))
-        return Tensor(np.ascontiguousarray(handle.get_slice(key)[tuple(slice(a, b) for a, b in zip(start, stop))]))
-
-    @staticmethod
-    def crc32(t: Any) -> int:
-        """crc32 of the tensor's bytes in row-major order."""
-        import zlib
-
-        return zlib.crc32(_numpy_of(t, "a plain tensor").tobytes())
-
-
 TRANSFER = _MsTransfer()
-SHARD_FILES = _MsShardFiles()
