@@ -359,6 +359,12 @@ def plan(
         optim=OptimSettings.of(config.training),
     )
     _check_features(layout)
+    if moe is not None and dims.cp > 1 and layout.context.compression is MaskCompression.EOD:
+        # without CP the MoE path trains packed rows whole: there is no one-process run to equal
+        raise ValueError(
+            f"context_parallel={dims.cp} on packed documents (create_compressed_eod_mask) is not built for the MoE "
+            f"model; use ordinary sequences (model.use_attn_mask_compression: true) or context_parallel: 1"
+        )
     return layout
 
 
