@@ -1,11 +1,13 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 """The trainer with context parallelism inside a pipeline on 4 gloo ranks: pp=2 x cp=2 trains 5
 steps with the losses of one process on the same data and weights (fp32, rtol 1.5e-4): colossal
-on causal data, colossal on packed documents (EOD) with every layer activation-checkpointed, and
-ulysses on packed documents with every second layer checkpointed.  The layout is the one the composition gives: each pp
-rank holds its stage's parameters only (the embedding and layers 0-1, or layers 2-3, the final
-norm and ``lm_head``), every one sharded over fsdp = dp_shard * cp = 2 ranks, and the CP groups
-are the two ranks of each stage."""
+on causal data, colossal on packed documents (EOD) with every layer activation-checkpointed,
+ulysses on packed documents with every second layer checkpointed, and the interleaved schedule
+(2 virtual stages per rank, 8 layers).  The layout is the one the composition gives: each pp rank
+holds its stages' parameters only (the embedding on the first, the final norm and ``lm_head`` on
+the last), every one sharded over fsdp = dp_shard * cp = 2 ranks, and the CP groups are the two
+ranks of each stage.  A pp=2 x cp=2 checkpoint resumes at pp=1 (cp=2 x dp_shard=2) on the
+one-process loss curve."""
 
 from __future__ import annotations
 
@@ -34,12 +36,15 @@ PACKED = {"train_dataset": {"dataloader": {"config": {"create_compressed_eod_mas
                                                    "create_attention_mask": False}}}}
 
 
-def _job(tmp_path: Path, data: dict[str, Any], method: str) -> str:
+def _job(tmp_path: Path, data: dict[str, Any], method: str, interleave: int = 1) -> str:
     path = tmp_path / "job.yaml"
-    parallelism = {**PARALLELISM, "context_parallel_method": method}
+    parallelism = {**PARALLELISM, "context_parallel_method": method, "pipeline_parallel_interleave_num": interleave}
     if method == "ulysses":
         parallelism["ulysses_degree_in_cp"] = 2
-    path.write_text(yaml.safe_dump({"parallelism": parallelism, "training": TRAINING, **data}))
+    job = {"parallelism": parallelism, "training": TRAINING, **data}
+    if interleave > 1:  # 2 layers per virtual stage
+        job["model"] = {**job.get("model", {}), "num_hidden_layers": 4 * interleave}
+    path.write_text(yaml.safe_dump(job))
     return str(path)
 
 
@@ -62,29 +67,34 @@ def _train_and_describe(rank: int, world: int, argv: list[str]) -> dict[str, Any
             "describe": layout.describe()}
 
 
-def _stage_of(name: str) -> int:
-    """The pp rank holding parameter ``name`` under the auto split of the 4 tiny layers."""
+def _stage_of(name: str, stages: list[list[int]]) -> int:
+    """The pp rank holding parameter ``name`` when virtual stage ``v`` holds layers ``stages[v]``
+    (virtual stage ``v`` runs on pp rank ``v % 2``)."""
     if name.startswith("model.embed_tokens"):
         return 0
     if name.startswith("model.layers."):
-        return int(name.split(".")[2]) // 2
-    return 1  # model.norm, lm_head
+        layer = int(name.split(".")[2])
+        return next(v for v, layers in enumerate(stages) if layer in layers) % 2
+    return (len(stages) - 1) % 2  # model.norm, lm_head: the last stage
 
 
-@pytest.mark.parametrize("data,method,flags", [
-    (CAUSAL, "colossal", []),
-    (PACKED, "colossal", ["--activation-checkpoint", "full"]),
-    (PACKED, "ulysses", ["--activation-checkpoint", "selective", "--ac-every", "2"]),
-], ids=["colossal-causal", "colossal-packed-eod-ac-full", "ulysses-packed-eod-ac-selective"])
+@pytest.mark.parametrize("data,method,flags,interleave", [
+    (CAUSAL, "colossal", [], 1),
+    (PACKED, "colossal", ["--activation-checkpoint", "full"], 1),
+    (PACKED, "ulysses", ["--activation-checkpoint", "selective", "--ac-every", "2"], 1),
+    (CAUSAL, "colossal", [], 2),
+], ids=["colossal-causal", "colossal-packed-eod-ac-full", "ulysses-packed-eod-ac-selective",
+        "colossal-causal-interleaved"])
 def test_pp2_cp2_equals_one_process(pool4: RankPool, data: dict[str, Any], method: str, flags: list[str],
-                                    tmp_path) -> None:
+                                    interleave: int, tmp_path) -> None:
     import torch
 
-    argv = ["--job", _job(tmp_path, data, method), *flags, *SHORT]
+    argv = ["--job", _job(tmp_path, data, method, interleave), *flags, *SHORT]
     res = pool4.run(_train_and_describe, [*argv, "--out-dir", str(tmp_path / "run")])
     layout = res[0]["layout"]
-    for key, value in {"world_size": 4, "pp": 2, "cp": 2, "cp_method": method, "tp": 1, "dp_shard": 1,
-                       "accumulation_steps": 4, "stage_layers": [[0, 1], [2, 3]]}.items():
+    stages = [[2 * v, 2 * v + 1] for v in range(2 * interleave)]
+    for key, value in {"world_size": 4, "pp": 2, "interleave": interleave, "cp": 2, "cp_method": method, "tp": 1,
+                       "dp_shard": 1, "accumulation_steps": 4, "stage_layers": stages}.items():
         assert layout[key] == value, (key, layout)
     # ranks (pp, cp) row-major: pp rank 0 holds ranks 0 and 1, its CP group
     assert [r["cp"] for r in res] == [{"ranks": (0, 1), "rank": 0, "size": 2}, {"ranks": (0, 1), "rank": 1, "size": 2},
@@ -95,8 +105,9 @@ def test_pp2_cp2_equals_one_process(pool4: RankPool, data: dict[str, Any], metho
     assert sorted({i for r in res for i in r["checkpointed"]}) == want
     names = {rank: set(res[rank]["shares"]) for rank in range(4)}
     assert names[0] == names[1] and names[2] == names[3] and not names[0] & names[2]
-    assert all(_stage_of(n) == 0 for n in names[0]) and all(_stage_of(n) == 1 for n in names[2])
-    assert {n.split(".")[2] for n in names[0] if n.startswith("model.layers.")} == {"0", "1"}
+    assert all(_stage_of(n, stages) == 0 for n in names[0]) and all(_stage_of(n, stages) == 1 for n in names[2])
+    held = {int(n.split(".")[2]) for n in names[0] if n.startswith("model.layers.")}
+    assert held == {i for v in range(0, len(stages), 2) for i in stages[v]}, held
     assert "model.embed_tokens.weight" in names[0] and {"model.norm.weight", "lm_head.weight"} <= names[2]
     for rank, r in enumerate(res):
         for name, (whole, local, mesh) in r["shares"].items():
@@ -109,3 +120,27 @@ def test_pp2_cp2_equals_one_process(pool4: RankPool, data: dict[str, Any], metho
     worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single))
     print(f"\n[train pp x cp] {res[0]['describe']} ({'packed' if data is PACKED else 'causal'}): losses "
           f"{res[0]['losses']}\n  one process {single}\n  max rel diff {worst:.2e}")
+
+
+def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    args = train.parse_args(argv)
+    config, layout = train.check_args(args)
+    out = train.train(args, layout, config, rank, distributed=True, quiet=True)
+    return {"losses": out["losses"], "start": out["start_step"], "describe": layout.describe()}
+
+
+def test_checkpoint_reshards_from_pp2_cp2_to_cp2_dp2(pool4: RankPool, tmp_path) -> None:
+    """pp=2 x cp=2 saves at step 2; cp=2 x dp_shard=2 without a pipeline resumes to step 5 on the
+    one-process curve (a checkpoint keeps the whole model's names under every layout)."""
+    import torch
+
+    job = _job(tmp_path, CAUSAL, "colossal")
+    part = pool4.run(_run, ["--job", job, *SHORT, "--steps", "2", "--out-dir", str(tmp_path / "run")])
+    resumed = pool4.run(_run, ["--job", job, "--pp", "1", "--dp-shard", "2", *SHORT, "--out-dir",
+                               str(tmp_path / "run"), "--resume"])
+    assert resumed[0]["start"] == 2 and resumed[0]["losses"][:2] == part[0]["losses"]
+    single = single_process_run(["--job", job, *SHORT], tmp_path / "single")["losses"]
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(single), rtol=1.5e-4, atol=1e-5)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed[0]["losses"], single))
+    print(f"\n[train pp x cp checkpoint] {part[0]['describe']} saved step 2, {resumed[0]['describe']} resumed to "
+          f"{STEPS}: max rel diff vs one process {worst:.2e}")
