@@ -1,7 +1,7 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 """The MoE trainer under context parallelism on 4 gloo ranks: the tiny MoE model at cp=2 x
 dp_shard=2 with ep=2 (colossal) and ep=4 (experts spread over the CP and data-parallel ranks),
-and ulysses cp=4 with ep=2, report the losses of the same run on one process (the trainer's
+ulysses cp=4 with ep=2 and hybrid cp=4 (ulysses 2) with ep=4, report the losses of the same run on one process (the trainer's
 ``--compare-single`` reference: the router loss of each forward's whole sequences) and the same
 tokens per expert in every layer and step.  What MoE + CP cannot run (with TP, on packed
 documents) is refused before any rank starts."""
@@ -59,7 +59,11 @@ def _run(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
       "data_parallel_shard": 1, "expert_parallel": 2},
      {"cp": 4, "cp_method": "ulysses", "dp_shard": 1, "ep": 2, "efsdp": 2, "accumulation_steps": 4},
      [(0, 1, 2, 3)] * 4),
-], ids=["colossal-cp2-dp2-ep2", "colossal-cp2-dp2-ep4", "ulysses-cp4-ep2"])
+    # hybrid: rings of 2 across ulysses groups of 2; the router statistics over all 4 CP ranks
+    ({"context_parallel": 4, "context_parallel_method": "hybrid", "ulysses_degree_in_cp": 2,
+      "data_parallel_shard": 1, "expert_parallel": 4},
+     {"cp": 4, "cp_method": "hybrid", "ulysses_degree": 2, "ep": 4, "efsdp": 1}, [(0, 1), (0, 1), (2, 3), (2, 3)]),
+], ids=["colossal-cp2-dp2-ep2", "colossal-cp2-dp2-ep4", "ulysses-cp4-ep2", "hybrid-cp4-u2-ep4"])
 def test_moe_cp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any], layout: dict[str, Any],
                                    cp_ranks: list[tuple[int, ...]], tmp_path) -> None:
     import torch

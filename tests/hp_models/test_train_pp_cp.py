@@ -144,3 +144,34 @@ def test_checkpoint_reshards_from_pp2_cp2_to_cp2_dp2(pool4: RankPool, tmp_path) 
     worst = max(abs(a - b) / abs(b) for a, b in zip(resumed[0]["losses"], single))
     print(f"\n[train pp x cp checkpoint] {part[0]['describe']} saved step 2, {resumed[0]['describe']} resumed to "
           f"{STEPS}: max rel diff vs one process {worst:.2e}")
+
+
+def test_microbatch_facts_follow_the_plan_and_fail_closed() -> None:
+    """Each stage takes its microbatches' facts in the order the plan runs its forwards; a stage
+    that runs more forwards than planned, or a step that ends short, is an error."""
+    from types import SimpleNamespace
+
+    from hp_models.qwen3_5.context_parallel import SequenceFacts
+    from hp_models.qwen3_5.pipeline_cp import MicrobatchFacts
+    from hp_pp import ScheduleKind, build_plan
+
+    plan = build_plan(ScheduleKind.INTERLEAVED_1F1B, 2, 4, 4)  # pp 2, 4 microbatches, 4 virtual stages
+    first, third = object(), object()
+    stages = [SimpleNamespace(stage_index=0, module=first), SimpleNamespace(stage_index=2, module=third)]
+    facts = MicrobatchFacts()
+    facts.follow(stages, plan.rank_actions(0))
+    mb = [SequenceFacts(seq_len=8 * (i + 1)) for i in range(4)]
+    facts.start(mb)
+    order = [(a.stage, a.microbatch) for a in plan.rank_actions(0) if a.kind.value == "F"]
+    assert sorted(order) == [(v, m) for v in (0, 2) for m in range(4)]
+    for v, m in order:
+        assert facts.take(first if v == 0 else third) is mb[m]
+    facts.finish()
+    with pytest.raises(RuntimeError, match="ran forward 5 of a step whose plan has 4"):
+        facts.take(first)
+    facts.start(mb)
+    facts.take(first)
+    with pytest.raises(RuntimeError, match="ran 1 of 4, 0 of 4 planned forwards"):
+        facts.finish()
+    with pytest.raises(RuntimeError, match="not one of the stages"):
+        facts.take(object())
