@@ -94,11 +94,9 @@ SEED_TEXT = ("Context parallel (context_parallel > 1) requires a compressed atte
     ({"context_parallel": 2}, {}, [], [SEED_TEXT]),
     ({"context_parallel": 2, "context_parallel_mask_type": "full"}, COMPRESSED, [],
      ["context_parallel_mask_type 'full' is not supported", "only 'causal'"]),
-    ({"context_parallel": 2, "pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": "auto"}, COMPRESSED, [],
-     ["context parallelism inside a pipeline is not built", "pipeline_parallel: 1"]),
     ({"context_parallel": 2}, COMPRESSED, ["--seq-len", "4"], ["chunks of 1 tokens", "at least 12"]),
 ], ids=["seq-not-divisible", "ulysses-heads", "ulysses-heads-per-tp-rank", "hybrid-degree-equal",
-        "hybrid-degree-indivisible", "missing-compression", "mask-type-full", "with-pp", "chunk-shorter-than-conv"])
+        "hybrid-degree-indivisible", "missing-compression", "mask-type-full", "chunk-shorter-than-conv"])
 def test_bad_cp_job_fails_before_any_rank_starts(parallelism, extra, argv, words, tmp_path) -> None:
     import yaml
 
@@ -115,6 +113,15 @@ def test_mask_type_full_is_not_implemented() -> None:
     raw = {"parallelism": {"context_parallel": 2, "context_parallel_mask_type": "full"}, **COMPRESSED}
     with pytest.raises(NotImplementedError, match="context_parallel_mask_type 'full' is not supported"):
         plan(raw, Overrides(), TINY)
+
+
+def test_cp_inside_a_pipeline_is_planned() -> None:
+    """pp x cp is a layout the trainer runs (``test_train_pp_cp`` trains it): each stage's ranks
+    form its CP group and FSDP shards over dp_shard * cp."""
+    layout = plan({**COMPRESSED, "parallelism": {"data_parallel_shard": 1}}, Overrides(cp=2, pp=2), TINY)
+    assert (layout.world_size, layout.pp, layout.cp, layout.dims.fsdp, layout.accumulation) == (4, 2, 2, 2, 2)
+    assert layout.split is not None and layout.split.layers == ((0, 1), (2, 3))
+    assert layout.describe() == "pp=2, cp=2 colossal, tp=1 on 4 ranks"
 
 
 def test_cp_flag_and_fsdp_over_dp_shard_times_cp() -> None:

@@ -1,7 +1,8 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index,operator,call-arg"
 """The trainer's pipeline composed with every other dense dimension at once, on 8 gloo ranks:
 pp=2 x dp_shard=2 x tp=2 (TP inside each stage, FSDP over the stage's data-parallel ranks) and
-HSDP under the pipeline, pp=2 x dp_replicate=2 x dp_shard=2.  Each reports the losses of the same
+HSDP under the pipeline, pp=2 x dp_replicate=2 x dp_shard=2, and context parallelism with TP
+inside each stage, pp=2 x cp=2 x tp=2 on packed documents.  Each reports the losses of the same
 global batches trained on one process; every rank reports the same curve, and each rank holds
 its share of only its own stage's parameters."""
 
@@ -65,4 +66,29 @@ def test_pipeline_with_fsdp_tp_and_hsdp_equals_one_process(pool8: RankPool, flag
     worst = worst_difference(res[0]["losses"], single)
     print(f"\n[train pp 8 ranks] {layout}: losses {res[0]['losses']}, one process {single}, max |diff| {worst:.2e}; "
           f"{total:,} elements held over 8 ranks ({replicas} replica(s) of {whole:,})")
+    assert worst < TOL, (res[0]["losses"], single)
+
+
+def test_pipeline_with_context_and_tensor_parallel_equals_one_process(pool8: RankPool, tmp_path) -> None:
+    """pp=2 x cp=2 x tp=2 on packed documents: TP (without sequence parallelism: CP splits the
+    sequence) and CP inside each stage, FSDP over its dp_shard * cp = 2 ranks."""
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "parallelism": {"data_parallel_shard": 1, "tensor_parallel": 2, "context_parallel": 2,
+                        "pipeline_parallel": 2, "pipeline_parallel_layers_per_stage": "auto"},
+        "train_dataset": {"dataloader": {"config": {"create_compressed_eod_mask": True,
+                                                    "create_attention_mask": False}}},
+        "training": {"global_batch_size": 8, "local_batch_size": 2},
+    }))
+    argv = ["--job", str(job), "--nproc", "8", "--out-dir", str(tmp_path), *SHORT, "--seq-len", "32"]
+    res = pool8.run(_run, argv)
+    for key, value in {"pp": 2, "cp": 2, "tp": 2, "dp_shard": 1, "accumulation_steps": 4}.items():
+        assert res[0]["layout"][key] == value, (key, res[0]["layout"])
+    assert all(r["losses"] == res[0]["losses"] for r in res)
+    assert sum(r["stage_elements"] for r in res) // 4 == sum(p.numel() for p in _whole_model().parameters())
+    single = single_process_run(argv, tmp_path / "single")["losses"]
+    worst = worst_difference(res[0]["losses"], single)
+    print(f"\n[train pp x cp x tp 8 ranks] losses {res[0]['losses']}, one process {single}, max |diff| {worst:.2e}")
     assert worst < TOL, (res[0]["losses"], single)

@@ -38,22 +38,35 @@ _MARK = "_hp_activation_checkpoint"
 
 def checkpoint_model_blocks(model: nn.Module, layout: TrainLayout) -> list[int]:
     """The trainer's step between tensor/context parallelism and ``fully_shard``: checkpoint the
-    decoder layers of ``model`` (a ``Qwen3_5ForCausalLM``) as the job's ``activation_checkpoint``
-    section says; returns the layer indices checkpointed."""
-    from hp_models.qwen3_5.model import decoder_layers
+    decoder layers of ``model`` (a ``Qwen3_5ForCausalLM``, or a pipeline stage, whose layers keep
+    their index in the whole model: a stage checkpoints the layers the whole model would) as the
+    job's ``activation_checkpoint`` section says; returns the layer indices checkpointed."""
+    body: Any = model.model
+    layers: Any = body.layers
+    if isinstance(layers, nn.ModuleDict):
+        indices = [int(name) for name in layers]
+        blocks = list(layers.values())
+    else:
+        blocks = list(layers)
+        indices = list(range(len(blocks)))
+    return apply_activation_checkpoint(blocks, layout.activation_checkpoint, indices)
 
-    return apply_activation_checkpoint(decoder_layers(model.model), layout.activation_checkpoint)  # type: ignore[arg-type]
 
-
-def apply_activation_checkpoint(blocks: Sequence[nn.Module], config: ActivationCheckpointConfig) -> list[int]:
+def apply_activation_checkpoint(blocks: Sequence[nn.Module], config: ActivationCheckpointConfig,
+                                indices: Sequence[int] | None = None) -> list[int]:
     """Checkpoint the blocks ``config`` selects (``blocks`` in model order; under ``selective``
-    every k-th, counted from 1); returns the indices checkpointed.  A block checkpointed twice is
-    refused (its forward would be recomputed twice)."""
-    chosen = [i for i in range(len(blocks)) if config.checkpointed(i)]
+    every k-th, counted from 1); returns the indices checkpointed.  ``indices``: each block's
+    index in the whole model, when ``blocks`` are some of its blocks (default: 0, 1, ...).  A
+    block checkpointed twice is refused (its forward would be recomputed twice)."""
+    where = list(range(len(blocks))) if indices is None else list(indices)
+    if len(where) != len(blocks):
+        raise ValueError(f"{len(blocks)} blocks but {len(where)} indices")
+    chosen = [i for i in where if config.checkpointed(i)]
     if config.mode is ActivationCheckpointMode.NONE:
         return chosen
-    for i in chosen:
-        block = blocks[i]
+    for i, block in zip(where, blocks):
+        if not config.checkpointed(i):
+            continue
         if getattr(block, _MARK, False):
             raise ValueError(f"block {i} ({type(block).__name__}) is already activation-checkpointed; apply it once")
         # a forward already replaced on this instance is wrapped, not lost

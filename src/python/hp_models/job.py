@@ -5,10 +5,10 @@ has the rule) and names the rest, for the launcher to print once.
 
 Pure (no framework): it reads YAML and calls ``hp_protocols``' ``JobConfig.resolve``, which checks
 every rule of the parallelism config.  On top of those rules it refuses what the trainer cannot do
-yet (context parallelism inside a pipeline; for expert parallelism see ``hp_models.job_moe``), a
-pipeline split or microbatch count the schedules cannot run (with ``hp_pp``'s messages), and a
-global batch that the data-parallel ranks and accumulation steps would not consume exactly, so no
-run trains on a batch other than the one asked for.  Under pipeline parallelism the accumulation
+yet (for expert parallelism see ``hp_models.job_moe``), a pipeline split or microbatch count the
+schedules cannot run (with ``hp_pp``'s messages), and a global batch that the data-parallel ranks
+and accumulation steps would not consume exactly, so no run trains on a batch other than the one
+asked for.  Under pipeline parallelism the accumulation
 steps are the microbatches.
 """
 
@@ -350,11 +350,6 @@ def plan(
             f"{gbs} // ({dims.data_parallel} * {lbs}) = {dims.num_accumulation_steps}) to be a multiple of "
             f"pipeline_parallel {dims.pp}; change global_batch_size or local_batch_size"
         )
-    if dims.cp > 1 and dims.pp > 1:
-        raise ValueError(
-            f"context_parallel {dims.cp} with pipeline_parallel {dims.pp}: context parallelism inside a pipeline "
-            f"is not built in this trainer yet; set pipeline_parallel: 1 (or context_parallel: 1)"
-        )
     layout = TrainLayout(
         dims=dims, global_batch_size=gbs, local_batch_size=lbs, sum_gradients=p.disable_gradient_division,
         cpu_offload=p.cpu_offload, reshard_after_forward_policy=p.reshard_after_forward_policy, split=split,
@@ -364,6 +359,12 @@ def plan(
         optim=OptimSettings.of(config.training),
     )
     _check_features(layout)
+    if moe is not None and dims.cp > 1 and layout.context.compression is MaskCompression.EOD:
+        # without CP the MoE path trains packed rows whole: there is no one-process run to equal
+        raise ValueError(
+            f"context_parallel={dims.cp} on packed documents (create_compressed_eod_mask) is not built for the MoE "
+            f"model; use ordinary sequences (model.use_attn_mask_compression: true) or context_parallel: 1"
+        )
     return layout
 
 

@@ -6,7 +6,8 @@ dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_de
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
 model actually built: expert parallelism on a dense model, an expert count the ep size does not
 divide, and the combinations of a mixture-of-experts model with parallelism the MoE path does not
-build yet (pipeline and context parallelism).
+build yet (pipeline parallelism; context parallelism together with tensor parallelism, or on
+packed documents).
 """
 
 from __future__ import annotations
@@ -57,13 +58,18 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
         )
     # (resolve() checked the name and, for deredundancy, that ep is a whole number of nodes)
     dispatcher = TokenDispatcher.from_name(p.moe_token_dispatcher_type)
-    refused = [
-        ("pipeline_parallel", dims.pp, "pipeline parallelism of the MoE model"),
-        ("context_parallel", dims.cp, "context parallelism of the MoE model"),
-    ]
-    for name, value, what in refused:
-        if value > 1:
-            raise ValueError(f"{name}={value}: {what} is not built in this trainer yet; set {name}: 1")
+    if dims.pp > 1:
+        raise ValueError(
+            f"pipeline_parallel={dims.pp}: pipeline parallelism of the MoE model is not built in this trainer yet; "
+            f"set pipeline_parallel: 1"
+        )
+    if dims.cp > 1 and dims.tp > 1:
+        # the MoE blocks run on each TP rank's sequence shard (sequence parallelism), which CP turns off
+        raise ValueError(
+            f"context_parallel={dims.cp} with tensor_parallel={dims.tp}: the MoE model's tensor-parallel plan needs "
+            f"sequence parallelism, which context parallelism replaces, and is not built without it; set "
+            f"tensor_parallel: 1 (or context_parallel: 1)"
+        )
     etp = dims.etp if dispatcher is TokenDispatcher.ALLTOALL else 1
     return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
                        npu_nums_per_device=p.npu_nums_per_device, etp=etp)

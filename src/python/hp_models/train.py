@@ -5,7 +5,7 @@ spawned here (under ``torchrun`` the launcher's ranks are used instead).  ``--jo
 a job file's ``parallelism:`` and ``training:`` sections (data_parallel_shard, tensor_parallel,
 reshard_after_forward_policy, disable_gradient_division, global_batch_size, local_batch_size, ...);
 flags given on the command line override it.  With ``pipeline_parallel`` (``--pp``) > 1 the layers
-are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overlap_p2p) with TP and
+are split into stages (``pipeline_parallel_layers_per_stage``, interleave, overlap_p2p) with TP, CP and
 FSDP inside each, and the accumulation micro-steps are the pipeline's microbatches
 (``hp_models.train_pipeline``).  With ``context_parallel`` (``--cp``) > 1 each sequence is split
 over the CP ranks (colossal, ulysses or hybrid; ``hp_models.train_context``) and FSDP shards over

@@ -118,7 +118,7 @@ class ContextParallelModel(nn.Module):
         self._layout = layout
         self._vocab: int = model.config.vocab_size
         self.n_model_params = sum(p.numel() for p in model.parameters())
-        split, cp_dims = _split_mesh(layout)
+        split, cp_dims = context_mesh(layout)
         self.cp = ContextParallel(split[cp_dims], layout.context)
         coord = split.get_coordinate()
         assert coord is not None
@@ -180,7 +180,7 @@ class ContextParallelModel(nn.Module):
         return float(t.item()) / (layout.world_size * layout.accumulation)
 
 
-def _split_mesh(layout: TrainLayout) -> tuple[DeviceMesh, tuple[str, ...]]:
+def context_mesh(layout: TrainLayout) -> tuple[DeviceMesh, tuple[str, ...]]:
     """The ranks of the dense mesh ``(pp, dp_replicate, fsdp, tp)`` again with ``fsdp`` split
     into ``dp_shard`` and the CP dims (one, or ``(ring, ulysses)`` for hybrid), CP innermost in
     ``fsdp`` as the dense mesh's row-major order has it; and the names of the CP dims."""

@@ -13,6 +13,15 @@ Under TP the logits stay split over the vocab (loss parallel).  The loss of each
 the next-token cross entropy plus ``router_aux_loss_coef`` times the router's load-balancing
 loss over that forward's tokens (all of its tensor-parallel group's).
 
+Under context parallelism (``context_parallel`` > 1, without TP: the MoE plan needs sequence
+parallelism, which CP replaces) the model is parallelized in the same order as the dense one, EP,
+then CP (``parallelize_qwen3_5_cp``), then activation checkpointing, then FSDP over ``dp_shard *
+cp``: each rank runs its share of every sequence, dispatches its own tokens to the experts of its
+ep group (which may span CP ranks: ``efsdp = dp_shard * cp * tp // ep``), the cross entropy is
+reduced over the CP group with the whole sequence's token count, and the router's load-balancing
+statistics are summed over the CP group (the blocks' ``token_mesh``), so each forward's loss is
+that of its whole sequences.
+
 Every step the routed token copies per expert and layer are summed over the ranks; the summary
 prints their balance (fewest and most per expert, per step and over the run).
 """
@@ -168,17 +177,45 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh, etp_mesh=etp_mesh,
                             loss_parallel=dims.tp > 1, dispatcher=moe.dispatcher,
                             npu_nums_per_device=moe.npu_nums_per_device)
-    # after TP and EP (their collectives, the token all-to-alls included, rerun in the
+    if dims.cp > 1:
+        _context_parallel(model, layout)
+    # after TP, EP and CP (their collectives, the token all-to-alls included, rerun in the
     # recomputation on every rank in the same order), before FSDP
     checkpoint_model_blocks(model, layout)
-    if dims.dp_shard > 1 or expert_dp.size() > 1:
+    if dims.dp_shard * dims.cp > 1 or expert_dp.size() > 1:
         # with replicas (HSDP) both meshes are 2-D: (dp_replicate, shard dim)
         dense_dp = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
         apply_fsdp_qwen3_5_moe(model, dense_dp, expert_dp, reshard_after_forward=dims.reshard_after_forward,
                                sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload,
                                mp_policy=fsdp_policy(layout))
+        if dims.cp > 1 and not layout.sum_gradients:
+            # average over the data-parallel ranks only (dense and expert groups): each CP rank
+            # holds a share of one gradient
+            model.set_gradient_divide_factor(float(layout.dp))
         logits_in_float32(model, layout)
-    return model, coord[1] * dims.dp_shard + coord[2]
+    # (the CP ranks are innermost in fsdp = dp_shard * cp)
+    return model, coord[1] * dims.dp_shard + coord[2] // dims.cp
+
+
+def _context_parallel(model: Any, layout: TrainLayout) -> None:
+    """Context parallelism of the MoE model on this rank's CP group (see the module's docstring);
+    the ``ContextParallel`` is kept as ``model.context_parallel`` for the step."""
+    from hp_cp import ContextParallel
+    from hp_dtensor import init_device_mesh
+    from hp_models.qwen3_5 import parallelize_qwen3_5_cp
+    from hp_models.train_context import context_mesh
+
+    d = layout.dims
+    split, cp_dims = context_mesh(layout)
+    cp = ContextParallel(split[cp_dims], layout.context)
+    parallelize_qwen3_5_cp(model, cp)
+    # the router's statistics are summed over the whole CP group: one dim (hybrid's two flattened)
+    tokens = split["cp"] if cp_dims == ("cp",) else init_device_mesh(
+        "cpu", (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))["cp"]
+    for block in model.moe_blocks():
+        block.token_mesh = tokens
+    object.__setattr__(model, "context_parallel", cp)
 
 
 def moe_train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: torch.Tensor, tgt: torch.Tensor) -> float:
@@ -190,12 +227,23 @@ def moe_train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: torch.Ten
     fsdp = hasattr(model, "set_requires_gradient_sync")
     scale = layout.loss_scale()
     blocks = model.moe_blocks()
+    cp = getattr(model, "context_parallel", None)
     total = 0.0
     for micro in range(layout.accumulation):
         rows = layout.samples(dp_rank, micro)
         if fsdp:
             # Only the last micro-step's backward reduces the gradients; before it they accumulate locally.
             model.set_requires_gradient_sync(micro == layout.accumulation - 1)
+        if cp is not None:  # this rank's share of the sequences; the loss of the whole ones
+            from hp_models.qwen3_5 import cp_cross_entropy
+
+            logits = model(cp.split(ids[rows], dim=1))
+            loss = cp_cross_entropy(logits, cp.split(tgt[rows], dim=1), cp) + \
+                config.router_aux_loss_coef * model.aux_loss()
+            (loss * scale if scale != 1.0 else loss).backward()
+            total += float(loss.item())
+            load.add_forward(blocks)
+            continue
         logits = model(ids[rows])
         with loss_parallel() if isinstance(logits, DTensor) else nullcontext():
             # under TP the logits are split over the vocab: the loss is assembled from the shards
@@ -206,8 +254,8 @@ def moe_train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: torch.Ten
         total += float(loss.item())
         load.add_forward(blocks)
     summed = load.end_step(total, layout.world_size)
-    # Each rank of a tensor-parallel group holds the same loss: the sum over all ranks is tp times
-    # the sum over the data-parallel ranks.
+    # Each rank of a tensor- and context-parallel group holds the same loss: the sum over all ranks
+    # is tp * cp times the sum over the data-parallel ranks.
     ranks = layout.world_size if layout.world_size > 1 else 1
     return summed / (ranks * layout.accumulation)
 

@@ -14,9 +14,12 @@ Backward is autograd through the same steps (the all-gather's dual sums the grad
 when there is one): full-attention layers run through ``ContextParallel.attention`` (ring,
 ulysses or hybrid), Gated DeltaNet layers through ``gated_delta_net_cp``, rotary positions come
 from the load-balanced split (restarting per document with packed data).  Each decoder layer takes
-the batch's sequence facts (length, document ends) as an argument, so activation checkpointing
-(applied after this, around the decoder layers) recomputes a layer with its own forward's facts.  The model's one-process
-code path is left as it is.
+the batch's sequence facts (``SequenceFacts``: length, document ends) as an argument, so
+activation checkpointing (applied after this, around the decoder layers) recomputes a layer with
+its own forward's facts, and a pipeline stage, which holds some of the layers and receives hidden
+states rather than tokens, can hand its layers the facts of its microbatch
+(``parallelize_layers_cp``; ``hp_models.qwen3_5.pipeline_cp``).  The model's one-process code
+path is left as it is.
 """
 
 from __future__ import annotations
@@ -151,8 +154,9 @@ def gated_delta_net_cp(
 
 
 @dataclass
-class _Batch:
-    """What the token mixers of the forward in progress need beyond their input."""
+class SequenceFacts:
+    """What the token mixers of a forward need beyond their input: the whole sequence's length
+    and, for packed documents, each row's cumulative document ends (the compressed EOD mask)."""
 
     seq_len: int = 0
     actual_seq_len: Sequence[Sequence[int]] | None = None
@@ -169,32 +173,55 @@ def parallelize_qwen3_5_cp(model: Qwen3_5ForCausalLM, cp: ContextParallel) -> Qw
     ``cp_cross_entropy``.  Parameters stay replicated over the CP ranks and each rank's
     gradient is its tokens' share: FSDP over ``dp_shard * cp`` sums them, or
     ``sum_cp_gradients`` without FSDP."""
-    batch = _Batch()
     text: TextModel = model.model
+    pending = SequenceFacts()  # the facts of the forward in progress, from the top to the layers
 
     def causal_lm_forward(self: Qwen3_5ForCausalLM, input_ids: torch.Tensor, *,
                           actual_seq_len: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-        batch.seq_len = input_ids.shape[1] * cp.cp
-        batch.actual_seq_len = actual_seq_len
+        pending.seq_len = input_ids.shape[1] * cp.cp
+        pending.actual_seq_len = actual_seq_len
         try:
             return self.lm_head(self.model(input_ids))  # type: ignore[no-any-return]
         finally:
-            batch.actual_seq_len = None
+            pending.actual_seq_len = None
 
     def text_forward(self: TextModel, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if batch.actual_seq_len is not None:
-            pos = cp.eod_position_ids(batch.actual_seq_len, batch.seq_len, input_ids)
-        else:
-            pos = torch.tensor([cp.positions(batch.seq_len)], dtype=torch.long, device=input_ids.device)
-        cos, sin = self.rotary_emb.at(pos, x.dtype)
-        tokens = _Batch(batch.seq_len, batch.actual_seq_len)
+        facts = SequenceFacts(pending.seq_len, pending.actual_seq_len)
+        cos, sin = cp_rotary(self.rotary_emb, cp, facts, input_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, tokens=tokens)
+            x = layer(x, cos, sin, tokens=facts)
         return self.norm(x)  # type: ignore[no-any-return]
 
+    # The forwards are bound per instance: hooks (the TP plan's) still run around them, and the
+    # class's forward, the one-process path, is untouched.
+    _bind(model, causal_lm_forward)
+    _bind(text, text_forward)
+    layers: Any = text.layers
+    parallelize_layers_cp(list(layers), cp)
+    return model
+
+
+def cp_rotary(rotary: Any, cp: ContextParallel, facts: SequenceFacts, like: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at this rank's positions of the sequence ``facts`` describes (restarting at
+    every document of packed rows); ``like``: a tensor of this rank's share, (B, S / cp, ...)."""
+    if facts.actual_seq_len is not None:
+        pos = cp.eod_position_ids(facts.actual_seq_len, facts.seq_len, like)
+    else:
+        pos = torch.tensor([cp.positions(facts.seq_len)], dtype=torch.long, device=like.device)
+    return rotary.at(pos, dtype)  # type: ignore[no-any-return]
+
+
+def parallelize_layers_cp(layers: Sequence[DecoderLayer], cp: ContextParallel) -> None:
+    """Context parallelism inside the decoder ``layers`` (in place): each then takes the batch's
+    ``SequenceFacts`` as its keyword argument ``tokens``; full attention runs through
+    ``ContextParallel.attention``, Gated DeltaNet through ``gated_delta_net_cp``.  Used by the
+    whole model and by a pipeline stage, which holds some of the layers."""
+    batch = SequenceFacts()  # the facts of the layer running, read by its token mixer
+
     def layer_forward(self: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                      tokens: _Batch) -> torch.Tensor:
+                      tokens: SequenceFacts) -> torch.Tensor:
         # The batch's facts travel with the layer's inputs, so a recomputation of the layer in
         # backward (activation checkpointing) sees the facts of its own forward, not the batch
         # state of whatever forward ran last (cleared when it ended).
@@ -213,17 +240,12 @@ def parallelize_qwen3_5_cp(model: Qwen3_5ForCausalLM, cp: ContextParallel) -> Qw
     def delta_forward(self: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
         return gated_delta_net_cp(self, x, cp, batch.seq_len, batch.actual_seq_len)
 
-    # The forwards are bound per instance: hooks (the TP plan's) still run around them, and the
-    # class's forward, the one-process path, is untouched.
-    _bind(model, causal_lm_forward)
-    _bind(text, text_forward)
-    for layer in text.layers:
+    for layer in layers:
         _bind(layer, layer_forward)
         if layer.layer_type == "linear_attention":
             _bind(layer.linear_attn, delta_forward)
         else:
             _bind(layer.self_attn, attention_forward)
-    return model
 
 
 def _bind(module: Any, forward: Any) -> None:

@@ -11,15 +11,16 @@ On the dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` each stage module is 
 parallelized on its own (``parallelize_qwen3_5_stages``): the Qwen3.5 tensor-parallel plan
 inside it, then ``fully_shard`` of its layers and of the stage (FSDP, or HSDP with replicas).
 Between stages under TP the sequence-sharded activation travels as this rank's local shard and
-is wrapped back into a ``Shard(1)`` DTensor on arrival.  A tied embedding keeps one layout on
+is wrapped back into a ``Shard(1)`` DTensor on arrival.  Under context parallelism each stage
+computes on its CP rank's share of the sequence and sends that share (``pipeline_cp``).  A tied embedding keeps one layout on
 both ends (vocab rows split over tp, then over the data-parallel ranks), so the pipeline's sum
 of the two copies' gradients adds matching shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +30,10 @@ from hp_fsdp import MixedPrecisionPolicy
 from hp_models.qwen3_5.fsdp import apply_fsdp_qwen3_5
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_pp import PipelineConfigError, PipelineStage, StageSplit
+
+if TYPE_CHECKING:
+    from hp_cp import ContextParallel
+    from hp_models.qwen3_5.pipeline_cp import MicrobatchFacts
 
 TIED = "embed_tokens"
 
@@ -109,12 +114,21 @@ def parallelize_qwen3_5_stages(
     sum_gradients: bool = False,
     cpu_offload: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    cp: ContextParallel | None = None,
+    facts: MicrobatchFacts | None = None,
+    before_fsdp: Callable[[Qwen3_5Stage], Any] | None = None,
 ) -> list[Qwen3_5Stage]:
-    """Tensor and data parallelism inside this rank's stage modules, in place, over the dense mesh
-    ``["pp", "dp_replicate", "fsdp", "tp"]`` (dims of size 1 or absent are skipped); returns them.
+    """Tensor, context and data parallelism inside this rank's stage modules, in place, over the
+    dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` (dims of size 1 or absent are skipped),
+    in torchtitan's order: TP, CP, ``before_fsdp`` (the trainer's activation checkpointing),
+    FSDP; returns them.
 
     ``tp`` > 1: the Qwen3.5 plan (sequence parallel, vocab-sharded ``lm_head`` for loss parallel)
-    inside each stage.  ``dp_replicate * fsdp`` > 1: ``fully_shard`` of each layer and of each
+    inside each stage; under ``cp`` without either (the sequence is split over the CP ranks
+    already; the CP loss reduces whole-vocabulary logits).  ``cp`` (a ``ContextParallel`` over
+    this stage's CP group, with ``facts``): each stage computes on its CP rank's share of the
+    sequence (``hp_models.qwen3_5.pipeline_cp``); the CP ranks are part of the mesh's ``fsdp``
+    dim (``dp_shard * cp``), so FSDP sums their gradient shares.  ``dp_replicate * fsdp`` > 1: ``fully_shard`` of each layer and of each
     stage over ``["dp_replicate", "fsdp"]`` (HSDP when ``dp_replicate`` > 1).  Under a pipeline
     schedule the gradients are then reduced once per step, in the backward of each stage's last
     microbatch, and ``reshard_after_forward=False`` (the default, as torchtitan under PP) keeps
@@ -139,8 +153,19 @@ def parallelize_qwen3_5_stages(
             raise TypeError(f"parallelize_qwen3_5_stages takes Qwen3_5Stage modules, got {type(stage).__name__}")
         if tp > 1:
             tp_mesh = mesh["tp"]
-            parallelize_qwen3_5_tp(stage, tp_mesh)
+            if cp is None:
+                parallelize_qwen3_5_tp(stage, tp_mesh)
+            else:
+                parallelize_qwen3_5_tp(stage, tp_mesh, sequence_parallel=False, loss_parallel=False)
             stage.tp_mesh = tp_mesh
+        if cp is not None:
+            from hp_models.qwen3_5.pipeline_cp import parallelize_qwen3_5_stage_cp
+
+            if facts is None:
+                raise ValueError("context parallelism inside pipeline stages needs the MicrobatchFacts they read")
+            parallelize_qwen3_5_stage_cp(stage, cp, facts)
+        if before_fsdp is not None:
+            before_fsdp(stage)
         if dp_replicate * fsdp > 1:
             dp_mesh = mesh["dp_replicate", "fsdp"] if dp_replicate > 1 else mesh["fsdp"]
             apply_fsdp_qwen3_5(stage, dp_mesh, reshard_after_forward=reshard_after_forward,
@@ -151,7 +176,9 @@ def parallelize_qwen3_5_stages(
 def pipeline_qwen3_5(model: Any, split: StageSplit, mesh: DeviceMesh, *, pp_dim: str = "pp",
                      check_finite: bool = False, reshard_after_forward: bool = False,
                      sum_gradients: bool = False, cpu_offload: bool = False,
-                     mp_policy: MixedPrecisionPolicy | None = None) -> list[PipelineStage]:
+                     mp_policy: MixedPrecisionPolicy | None = None, cp: ContextParallel | None = None,
+                     facts: MicrobatchFacts | None = None,
+                     before_fsdp: Callable[[Qwen3_5Stage], Any] | None = None) -> list[PipelineStage]:
     """``PipelineStage`` objects for this rank's virtual stages of ``model`` over ``mesh``'s pp dim.
     On the dense mesh ``["pp", "dp_replicate", "fsdp", "tp"]`` the stage modules are first
     parallelized by ``parallelize_qwen3_5_stages`` (the keyword arguments are its own)."""
@@ -161,9 +188,15 @@ def pipeline_qwen3_5(model: Any, split: StageSplit, mesh: DeviceMesh, *, pp_dim:
     if mesh.size(dim) != split.pp:
         raise ValueError(f"the split is for pp={split.pp} but the mesh's pp dim has {mesh.size(dim)} ranks")
     chunks = split_qwen3_5(model, split, pp_rank)
+    if cp is not None and mesh.ndim == 1:
+        raise ValueError("context parallelism inside pipeline stages needs the dense mesh, not a 1-D pp mesh")
     if mesh.ndim > 1:
         parallelize_qwen3_5_stages(chunks, mesh, reshard_after_forward=reshard_after_forward,
-                                   sum_gradients=sum_gradients, cpu_offload=cpu_offload, mp_policy=mp_policy)
+                                   sum_gradients=sum_gradients, cpu_offload=cpu_offload, mp_policy=mp_policy,
+                                   cp=cp, facts=facts, before_fsdp=before_fsdp)
+    elif before_fsdp is not None:
+        for c in chunks:
+            before_fsdp(c)
     return [
         PipelineStage(c, v, split.num_virtual, mesh, pp_dim=pp_dim, tied_parameters=c.tied_parameters(),
                       check_finite=check_finite)

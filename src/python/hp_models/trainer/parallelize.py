@@ -5,8 +5,9 @@ parallelism with sequence parallelism, context parallelism, activation checkpoin
 (``hp_models.activation_checkpoint``), then FSDP/HSDP over the data-parallel ranks
 (``dp_shard * cp`` under context parallelism), with the job's mixed precision
 (``hp_models.mixed_precision``).  The paths that need more than this module
-live in their own: the pipeline (``hp_models.train_pipeline``), context parallelism
-(``hp_models.train_context``) and the mixture-of-experts model (``hp_models.train_moe``).
+live in their own: the pipeline (``hp_models.train_pipeline``, also with context parallelism
+inside each stage), context parallelism (``hp_models.train_context``) and the mixture-of-experts
+model (``hp_models.train_moe``).
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ def build_model(args: Args, layout: TrainLayout, config: Any, *, distributed: bo
     dense, _ = dims.build_mesh("cpu")  # (pp, dp_replicate, fsdp, tp)
     coord = dense.get_coordinate()
     assert coord is not None
+    if layout.split is not None:  # (with context parallelism inside each stage when cp > 1)
+        from hp_models.train_pipeline import PipelinedModel
+
+        pipelined = PipelinedModel(model, layout, dense)
+        return pipelined, pipelined.dp_rank
     if layout.cp > 1:
         from hp_models.train_context import ContextParallelModel
 
         cp_model = ContextParallelModel(model, layout, dense)
         return cp_model, cp_model.dp_rank
-    if layout.split is not None:
-        from hp_models.train_pipeline import PipelinedModel
-
-        return PipelinedModel(model, layout, dense), coord[1] * dims.dp_shard + coord[2]
     if dims.tp > 1:
         parallelize_qwen3_5_tp(model, dense["tp"])
     checkpoint_model_blocks(model, layout)  # after TP (its hooks rerun in the recomputation), before FSDP

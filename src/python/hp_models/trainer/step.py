@@ -15,12 +15,12 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
     Gradients are left in ``.grad`` for the optimizer: those of the global mean loss."""
     import torch
 
-    if layout.split is not None or layout.cp > 1:
-        return model.train_step(dp_rank, ids, tgt)  # type: ignore[no-any-return]
-    if layout.moe is not None:
+    if layout.moe is not None:  # (also under context parallelism)
         from hp_models.train_moe import moe_train_step
 
         return moe_train_step(model, layout, dp_rank, ids, tgt)
+    if layout.split is not None or layout.cp > 1:
+        return model.train_step(dp_rank, ids, tgt)  # type: ignore[no-any-return]
     scale = layout.loss_scale()
     total = 0.0
     for micro in range(layout.accumulation):
