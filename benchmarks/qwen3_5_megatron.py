@@ -160,10 +160,10 @@ class MegatronQwen3_5:
     """``ref`` (an unsharded Qwen3.5, untouched) split Megatron-style over the default group,
     with sequence parallelism when ``sp``."""
 
-    def __init__(self, ref: nn.Module, rank: int, world: int, *, sp: bool = False) -> None:
+    def __init__(self, ref: Any, rank: int, world: int, *, sp: bool = False) -> None:
         if getattr(ref.config, "tie_word_embeddings", False):
             raise ValueError("the hand-written tp Qwen3.5 does not tie embeddings; build with tie_word_embeddings=False")
-        self.model = copy.deepcopy(ref)
+        self.model: Any = copy.deepcopy(ref)
         self.rank, self.world = rank, world
         self.shard_dims: dict[str, int] = {}  # parameter name -> dim split over ranks
         m = self.model
@@ -212,6 +212,7 @@ class MegatronQwen3_5:
         out = {}
         for name, p in self.model.named_parameters():
             g = p.grad
+            assert g is not None, f"{name} has no gradient: run a step first"
             dim = self.shard_dims.get(name)
             if dim is not None:
                 parts = [torch.empty_like(g) for _ in range(self.world)]

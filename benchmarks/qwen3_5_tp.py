@@ -83,11 +83,11 @@ def _unsharded(rank: int, world: int) -> float:
 
 
 def _tp(rank: int, world: int) -> dict[str, tuple[float, int]]:
+    import qwen3_5_megatron as mg
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import qwen3_5_megatron as mg
     from hp_dtensor import CommDebugMode, init_device_mesh
     from hp_models.qwen3_5 import parallelize_qwen3_5_tp
     from hp_tp import loss_parallel
