@@ -7,9 +7,9 @@ it, and the hand-written Megatron-style tp=2 model of ``qwen3_5_megatron`` (loca
 collectives, no DTensor) with and without sequence parallelism: the limit for each plan.  Loss
 parallel everywhere.  Before timing, every tp row's loss and whole gradients are checked against
 the unsharded model.  Collectives per step are counted (``CommDebugMode`` for ours, the
-hand-written model's own counter); ours leaves the gradients of norm weights ``Partial`` (reduced
-when the trainer takes the gradient norm), the hand-written rows reduce theirs in one bucket,
-counted and timed.
+hand-written model's own counter).  Ours leaves the gradients of norm weights that are per-rank
+parts ``Partial`` (all norms with SP; the gated and q/k norms without), reduced when the trainer
+takes the gradient norm; the hand-written rows reduce theirs in one bucket, counted and timed.
 
 torch.distributed.tensor.parallel has no style for the linear-attention layers' head-sharded
 depthwise convs and per-head parameters (its plan for this model gathers them, see the HF
