@@ -129,3 +129,26 @@ def install_sequence_parallel(module: Any, mesh: DeviceMesh, sequence_dim: int) 
         return plat.DTensor.from_local(y, mesh, [x.placements[0]], run_check=False, shape=tuple(x.shape))
 
     k.set_forward(module, forward)
+
+
+def install_replicated_tokenwise(module: Any, mesh: DeviceMesh) -> None:
+    """A token-wise module (a norm) kept whole on replicated activations (``NoParallel``, sequence
+    parallel off): run it on the local tensor with its parameters' local values and return the
+    result as ``Replicate``.  Its gradient is then made whole (all-reduced, if a later
+    column-parallel layer left it partial) where it enters the module, as Megatron does, so the
+    parameters' gradients come out whole; the ops run without DTensor dispatch."""
+    k = _kernels()
+    if k is None or not k.is_tokenwise_module(module):
+        return
+    plat = _platform()
+    fallback = _dtensor_forward(module)
+    replicate: tuple[Placement, ...] = (Replicate(),)
+
+    def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (isinstance(x, plat.DTensor) and x.placements == replicate):
+            return fallback(x, *args, **kwargs)
+        params = {name: p.to_local() for name, p in plat.direct_params(module) if p is not None}
+        y = k.run_with_params(module, fallback, params, x.to_local(), *args, **kwargs)
+        return plat.DTensor.from_local(y, mesh, replicate, run_check=False, shape=tuple(x.shape))
+
+    k.set_forward(module, forward)

@@ -335,6 +335,15 @@ def backward(m: LossMath, s: _Saved, grad: Any) -> Any:
     cdim, nc, eps = call.class_dim, call.num_classes, call.label_smoothing
     g = grad / s.denom if call.reduction is rules.Reduction.MEAN else grad
     prob = m.exp(s.shifted - m.unsqueeze(s.lse, cdim))
+    if call.target_kind is rules.TargetKind.CLASS_INDEX and not eps and call.reduction is not rules.Reduction.NONE:
+        # Without smoothing: w_t (p_c - [c = t]) g, with the scalar g folded into the row weights so
+        # the (rows x classes) block is written twice (prob * w, the target's -w), not five times.
+        w = m.unsqueeze(s.w_rows * g, cdim)
+        gx = prob * w
+        if s.width:
+            gx = m.scatter_add(gx, cdim, s.index, -w * s.owned)
+        # Ignored rows get exactly 0, as in torch, even when their logits hold NaN or inf.
+        return m.where(m.unsqueeze(s.valid, cdim), gx, 0.0)
     if call.target_kind is rules.TargetKind.CLASS_INDEX:
         # d loss / d x_c = (1 - eps) w_t (p_c - [c = t]) + eps / C (W p_c - w_c) on valid rows, W the
         # sum of all class weights.

@@ -310,13 +310,15 @@ class NoParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
-        return distribute_module(
+        distribute_module(
             module,
             device_mesh,
             None,
             partial(_prepare_first_input, self.input_layout, self.desired_input_layout),
             partial(_finish_output, self.output_layout, self.use_local_output, None),
         )
+        local_forward.install_replicated_tokenwise(module, device_mesh)
+        return module
 
     def __repr__(self) -> str:
         return (f"NoParallel(input_layout={self.input_layout!r}, desired_input_layout={self.desired_input_layout!r}, "
