@@ -62,11 +62,12 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         raw = job.raw if job is not None else None
         config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
+        # first: a torch-only feature is named as the trainer's, before a package's own platform check
+        check_backend(args.backend, layout, resume=args.resume, overwrite=args.overwrite)
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
         check_model(config, layout)
         LRSchedule.of(layout.optim.lr, layout.optim, args.steps)
-        check_backend(args.backend, layout, resume=args.resume, overwrite=args.overwrite)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")
     if layout.cp == 1 and args.seq_len % layout.tp:

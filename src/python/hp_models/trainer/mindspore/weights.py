@@ -19,7 +19,7 @@ import numpy as np
 _PLATFORM = "HYPER_PARALLEL_PLATFORM"
 
 
-def _write_torch_initial_state(config: Any, seed: int, path: str) -> None:
+def write_torch_initial_state(config: Any, seed: int, path: str) -> None:
     """On a torch process: the torch trainer's initial parameters for ``seed`` to ``path``."""
     import torch
 
@@ -35,7 +35,7 @@ def initial_state_file(config: Any, seed: int, folder: str) -> str:
     ``seed``, written by a torch process started for it; ``RuntimeError`` when that process fails."""
     path = os.path.join(folder, f"initial-{seed}.npz")
     ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_write_torch_initial_state, args=(config, seed, path))
+    proc = ctx.Process(target=write_torch_initial_state, args=(config, seed, path))
     before = os.environ.get(_PLATFORM)
     os.environ[_PLATFORM] = "torch"  # a spawned process starts with this environment
     try:
