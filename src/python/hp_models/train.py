@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     """The command; returns its exit code.  A failure it can explain (a rank died, a damaged
     checkpoint, a full disk) is printed as one ``error:`` line (by rank 0 only under torchrun)."""
     args = parse_args(argv)
+    if args.backend is Backend.MINDSPORE:
+        if "MS_ROLE" in os.environ and os.environ.get("HYPER_PARALLEL_PLATFORM") != "mindspore":
+            # (the packages select their framework when first imported: before this line)
+            sys.exit("error: under msrun, set HYPER_PARALLEL_PLATFORM=mindspore for --backend mindspore")
+        os.environ["HYPER_PARALLEL_PLATFORM"] = "mindspore"  # what the ranks this command starts select
     if args.backend is Backend.MINDSPORE and os.environ.get("MS_ROLE") == "MS_SCHED":
         # under msrun this command is also the scheduler: it serves the workers' rendezvous
         importlib.import_module("hp_models.trainer.mindspore.spawn").serve_scheduler()

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload"
 """The trainer on MindSpore (``--backend mindspore``): the main job on 4 mccl ranks equals one
 MindSpore process and the torch trainer on one process, from the same initial weights on the
 same data (fp32: losses rtol 1.5e-4; gradient norms and learning rates too).

@@ -62,10 +62,12 @@ def test_backend_from_the_environment(monkeypatch) -> None:
 
 
 def test_the_command_on_two_mindspore_ranks(tmp_path) -> None:
-    """tp=2 on 2 ranks for 3 steps: exit 0, the progress bar up to step 3, log.json with the
+    """tp=2 on 2 ranks for 3 steps, chosen by ``--backend`` alone: exit 0, the progress bar up to step 3, log.json with the
     backend, 3 finite losses, the learning rates and both ranks' peak memory; no checkpoint."""
     out = tmp_path / "run"
-    env = {**os.environ, "HYPER_PARALLEL_PLATFORM": "mindspore", "GLOG_v": "3"}
+    # --backend alone selects MindSpore for the ranks (the launcher may run on either framework)
+    env = {k: v for k, v in os.environ.items() if k != "HYPER_PARALLEL_PLATFORM"}
+    env["GLOG_v"] = "3"
     proc = subprocess.run(
         [sys.executable, "-m", "hp_models.train", "--backend", "mindspore", "--tp", "2", "--steps", "3",
          "--seq-len", "16", "--batch-size", "2", "--out-dir", str(out)],

@@ -3,7 +3,6 @@ check a user can fix (exits with one message saying what to change)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 

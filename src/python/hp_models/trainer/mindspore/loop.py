@@ -45,9 +45,9 @@ def train_ms(args: Args, layout: TrainLayout, config: Any, rank: int, weights: s
         value, grads = runner(dp_rank, ids.numpy(), tgt.numpy())
         # the global norm over every mesh dim (each gradient laid out as its parameter); without
         # max_grad_norm the scale is min(inf, 1) = 1 and the gradients pass unchanged
-        grads, norm = clip_grads(grads, max_norm if max_norm is not None else math.inf, parameters=params)
+        clipped, norm = clip_grads(grads, max_norm if max_norm is not None else math.inf, parameters=params)
         opt.lr = schedule.at(step)
-        opt.step(list(grads))
+        opt.step(list(clipped))
         losses.append(value)
         tokens += int(ids.numel())
         metrics.record(step + 1, value, opt.lr, float(norm.asnumpy()), int(ids.numel()),

@@ -104,7 +104,6 @@ def run_launched(args: Args, layout: TrainLayout, config: Any) -> tuple[int, dic
     """Under ``msrun`` (``MS_ROLE=MS_WORKER``): join the job, train, and return this rank and its
     result.  Each worker has a torch process write the initial weights to a folder of its own."""
     from hp_dtensor.platform import current
-
     from hp_models.trainer.mindspore.loop import train_ms
 
     plat = current()
