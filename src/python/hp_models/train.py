@@ -31,6 +31,11 @@ ranks stop when the launcher dies, and the launcher stops when a rank dies, nami
 died first and how.  Errors a user can fix (a damaged checkpoint, a full or read-only disk, a file
 where a directory should be) end the command with one line saying what to do.
 
+``--backend mindspore`` (or ``HYPER_PARALLEL_PLATFORM=mindspore``) trains the same job on MindSpore
+(``hp_models.trainer.mindspore``): mccl CPU ranks started as ``msrun`` starts them, or this
+process as ``msrun``'s scheduler or worker; tensor parallelism, FSDP/HSDP and the outputs as on
+torch, no checkpoints yet (what it lacks is refused before any rank starts).
+
 This module is the command; its components (flags, checks, parallelize, data, step, optimizer
 and learning-rate schedule, gradient norm, checkpointing, metrics, loop, spawn, outputs) are the
 modules of ``hp_models.trainer``, and the names tests and callers use are re-exported here.
