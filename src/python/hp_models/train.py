@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             # (the packages select their framework when first imported: before this line)
             sys.exit("error: under msrun, set HYPER_PARALLEL_PLATFORM=mindspore for --backend mindspore")
         os.environ["HYPER_PARALLEL_PLATFORM"] = "mindspore"  # what the ranks this command starts select
+        os.environ.setdefault("GLOG_v", "3")  # MindSpore's own log: errors only, unless asked
     if args.backend is Backend.MINDSPORE and os.environ.get("MS_ROLE") == "MS_SCHED":
         # under msrun this command is also the scheduler: it serves the workers' rendezvous
         importlib.import_module("hp_models.trainer.mindspore.spawn").serve_scheduler()
