@@ -31,6 +31,11 @@ ranks stop when the launcher dies, and the launcher stops when a rank dies, nami
 died first and how.  Errors a user can fix (a damaged checkpoint, a full or read-only disk, a file
 where a directory should be) end the command with one line saying what to do.
 
+``--backend mindspore`` (or ``HYPER_PARALLEL_PLATFORM=mindspore``) trains the same job on MindSpore
+(``hp_models.trainer.mindspore``): mccl CPU ranks started as ``msrun`` starts them, or this
+process as ``msrun``'s scheduler or worker; tensor parallelism, FSDP/HSDP and the outputs as on
+torch, no checkpoints yet (what it lacks is refused before any rank starts).
+
 This module is the command; its components (flags, checks, parallelize, data, step, optimizer
 and learning-rate schedule, gradient norm, checkpointing, metrics, loop, spawn, outputs) are the
 modules of ``hp_models.trainer``, and the names tests and callers use are re-exported here.
@@ -38,6 +43,7 @@ modules of ``hp_models.trainer``, and the names tests and callers use are re-exp
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from typing import Any
@@ -46,6 +52,7 @@ from hp_models.job import TrainLayout, single_process
 from hp_models.launch import JobFailed
 from hp_models.trainer.args import Args
 from hp_models.trainer.args import parse_args as _parse_args
+from hp_models.trainer.backend import Backend
 from hp_models.trainer.checkpointing import check_checkpoint_dir, clear_for_overwrite, run_settings
 from hp_models.trainer.checks import check_args, load_config, model_sizes, overrides
 from hp_models.trainer.loop import fit, train
@@ -63,9 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     """The command; returns its exit code.  A failure it can explain (a rank died, a damaged
     checkpoint, a full disk) is printed as one ``error:`` line (by rank 0 only under torchrun)."""
     args = parse_args(argv)
+    if args.backend is Backend.MINDSPORE:
+        if "MS_ROLE" in os.environ and os.environ.get("HYPER_PARALLEL_PLATFORM") != "mindspore":
+            # (the packages select their framework when first imported: before this line)
+            sys.exit("error: under msrun, set HYPER_PARALLEL_PLATFORM=mindspore for --backend mindspore")
+        os.environ["HYPER_PARALLEL_PLATFORM"] = "mindspore"  # what the ranks this command starts select
+        os.environ.setdefault("GLOG_v", "3")  # MindSpore's own log: errors only, unless asked
+    if args.backend is Backend.MINDSPORE and os.environ.get("MS_ROLE") == "MS_SCHED":
+        # under msrun this command is also the scheduler: it serves the workers' rendezvous
+        importlib.import_module("hp_models.trainer.mindspore.spawn").serve_scheduler()
+        return 0
     config, layout = check_args(args)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if args.backend is Backend.MINDSPORE:
+            return _run_mindspore(args, config, layout)
         return _run(args, config, layout)
     except JobFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -108,6 +127,26 @@ def _run(args: Args, config: Any, layout: TrainLayout) -> int:
         clear_checkpoints(single_args.checkpoint_dir)  # the reference run's own, from an earlier command
         single = train(single_args, one, config, 0, distributed=False, quiet=True)["losses"]
         single = single[-len(result["losses"]):]
+    log = write_outputs(args, layout, config, result, single)
+    print_summary(args, layout, result, log, single)
+    return 0
+
+
+def _run_mindspore(args: Args, config: Any, layout: TrainLayout) -> int:
+    """The MindSpore backend: the ranks this command starts (scheduler and workers, as msrun
+    starts them), or this worker of an msrun job; the outputs as on torch, without checkpoints."""
+    # (imported by name: the MindSpore backend belongs to the mindspore resolve, the launcher to both)
+    ms = importlib.import_module("hp_models.trainer.mindspore.spawn")
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        rank, result = ms.run_launched(args, layout, config)
+        if rank != 0:
+            return 0
+    else:
+        result = ms.run_spawned_ms(args, layout, config)
+    single = None
+    if args.compare_single:
+        one = single_process(layout, model_sizes(config))
+        single = ms.run_spawned_ms(args, one, config, quiet=True)["losses"]
     log = write_outputs(args, layout, config, result, single)
     print_summary(args, layout, result, log, single)
     return 0

@@ -1,6 +1,7 @@
 """The trainer behind ``python -m hp_models.train``, one component per module, found by name:
 
 - ``args``: the command line (``Args``, ``parse_args``);
+- ``backend``: the framework that trains (``--backend``) and what the MindSpore backend refuses;
 - ``checks``: the model config and the layout, and everything refused before any rank starts;
 - ``parallelize``: the model built and parallelized in the one composition order (pipeline split,
   then TP with SP, then CP, then FSDP/HSDP; the MoE, CP and PP paths in ``hp_models.train_moe``,
@@ -13,5 +14,6 @@
   ``hp_models.train_checkpoint``);
 - ``metrics`` and ``tensorboard``: the progress bar, the per-step metrics and their event files;
 - ``loop``: the training loop on one rank; ``spawn``: the ranks (``hp_models.launch``);
-- ``outputs``: ``log.json``, ``loss.png`` and the summary.
+- ``outputs``: ``log.json``, ``loss.png`` and the summary;
+- ``mindspore``: the MindSpore backend (its model, step, AdamW, loop and msrun-style ranks).
 """

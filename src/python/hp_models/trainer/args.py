@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from hp_models.job import DEFAULT_GLOBAL_BATCH_SIZE
+from hp_models.trainer.backend import Backend
 from hp_models.trainer.feature_flags import add_feature_flags
 from hp_protocols import LRDecay
 
@@ -44,6 +45,7 @@ class Args:
     activation_checkpoint: str | None = None
     ac_every: int | None = None
     mixed_precision: str | None = None
+    backend: Backend = Backend.TORCH  # --backend, else HYPER_PARALLEL_PLATFORM
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Args:
@@ -107,6 +109,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-single", action="store_true",
                    help="also train on one process (same global batch) and report the largest loss gap")
+    p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
+                   help="the framework that trains: torch, or mindspore (mccl CPU ranks started the way msrun "
+                        "starts them: the main job with tp, dp_shard and HSDP; no checkpoints yet); default: "
+                        "HYPER_PARALLEL_PLATFORM, else torch")
     add_feature_flags(p)
     ns = p.parse_args(argv)
     for name in ("tp", "pp", "cp", "ep", "nproc", "steps", "seq_len", "batch_size", "local_batch_size",
@@ -124,6 +130,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         p.error(f"--lr-min must be >= 0, got {ns.lr_min}")
     if ns.max_grad_norm is not None and not ns.max_grad_norm > 0:
         p.error(f"--max-grad-norm must be > 0, got {ns.max_grad_norm}")
+    try:
+        backend = Backend.resolve(ns.backend)
+    except ValueError as e:
+        p.error(str(e))
     if ns.resume and ns.overwrite:
         p.error("--resume continues the run in --checkpoint-dir, --overwrite deletes it: pass one of them")
     return Args(
@@ -134,4 +144,5 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         overwrite=ns.overwrite, cp=ns.cp, lr_warmup_steps=ns.lr_warmup_steps, lr_decay=ns.lr_decay,
         lr_decay_steps=ns.lr_decay_steps, lr_min=ns.lr_min, max_grad_norm=ns.max_grad_norm,
         activation_checkpoint=ns.activation_checkpoint, ac_every=ns.ac_every, mixed_precision=ns.mixed_precision,
+        backend=backend,
     )

@@ -3,12 +3,12 @@ check a user can fix (exits with one message saying what to change)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 from hp_models.job import ModelSizes, Overrides, TrainLayout, plan, read_job, read_job_file
 from hp_models.trainer.args import Args
+from hp_models.trainer.backend import Backend, check_backend, launcher_world, missing_framework
 from hp_models.trainer.checkpointing import check_checkpoint_dir
 from hp_models.trainer.feature_flags import feature_overrides
 from hp_models.trainer.lr_schedule import LRSchedule
@@ -51,9 +51,9 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     from hp_models.train_context import check_context
     from hp_models.train_moe import check_model
 
-    env_world = os.environ.get("WORLD_SIZE")
+    env_world, variable = launcher_world(args.backend)
     world = int(env_world) if env_world is not None else args.nproc
-    where = f"launched with WORLD_SIZE={env_world}: " if env_world is not None else ""
+    where = f"launched with {variable}={env_world}: " if env_world is not None else ""
     if env_world is not None and args.nproc is not None and args.nproc != world:
         sys.exit(f"error: {where}--nproc {args.nproc} disagrees with the launcher's ranks; drop --nproc")
     try:
@@ -61,6 +61,8 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         raw = job.raw if job is not None else None
         config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
+        # first: a torch-only feature is named as the trainer's, before a package's own platform check
+        check_backend(args.backend, layout, resume=args.resume, overwrite=args.overwrite)
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
         check_model(config, layout)
@@ -69,7 +71,11 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         sys.exit(f"error: {where}{e}")
     if layout.cp == 1 and args.seq_len % layout.tp:
         sys.exit(f"error: --seq-len {args.seq_len} must be divisible by --tp {layout.tp} (sequence parallelism)")
-    check_checkpoint_dir(args, config, layout)
+    missing = missing_framework(args.backend)
+    if missing is not None:
+        sys.exit(f"error: {missing}")
+    if args.backend is Backend.TORCH:  # (the MindSpore backend writes no checkpoints yet)
+        check_checkpoint_dir(args, config, layout)
     if job is not None:
         job.announce()  # the sections and keys of a MindFormers file this trainer does not read
     return config, layout

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,12 +51,15 @@ class Metrics:
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     peak_memory_mib: list[float] = field(default_factory=list)  # per rank, the run's peak so far
+    # ``value`` of every rank, by rank (one collective); None: torch.distributed's all_reduce
+    every_rank: Callable[[float, int, int], list[float]] | None = None
     _writer: EventWriter | None = None
 
     def record(self, step: int, loss: float, lr: float, grad_norm: float, tokens: int, seconds: float) -> None:
         """Step ``step`` (1-based, the count of optimizer steps done) has run; collective."""
         mine = peak_rss_mib()
-        self.peak_memory_mib = _every_rank(mine, self.rank, self.world) if self.distributed else [mine]
+        gather = self.every_rank or _every_rank
+        self.peak_memory_mib = gather(mine, self.rank, self.world) if self.distributed else [mine]
         tok_s = tokens / max(seconds, 1e-9)
         self.learning_rates.append(lr)
         self.grad_norms.append(grad_norm)

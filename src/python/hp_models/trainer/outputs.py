@@ -10,6 +10,7 @@ from typing import Any
 
 from hp_models.job import TrainLayout
 from hp_models.trainer.args import Args
+from hp_models.trainer.backend import Backend
 
 # the per-step metrics and settings ``log.json`` carries from the run's result
 _METRICS = ("learning_rates", "grad_norms", "step_tokens_per_s", "peak_memory_mib_per_rank", "lr_schedule",
@@ -25,7 +26,7 @@ def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str
         "batch_size": layout.global_batch_size, "parallelism": layout.as_dict(), "lr": layout.optim.lr, "seed": args.seed,
         "parameters": result["nparams"], "losses": losses, "first_loss": losses[0], "final_loss": losses[-1],
         "elapsed_s": result["elapsed_s"], "tokens_per_s": result["tokens"] / max(result["elapsed_s"], 1e-9),
-        "resumed_from_step": result["start_step"],
+        "resumed_from_step": result["start_step"], "backend": args.backend.value,
         "adamw": {"betas": list(layout.optim.betas), "eps": layout.optim.eps, "weight_decay": layout.optim.weight_decay},
     }
     if "tokens_per_expert" in result:
@@ -41,7 +42,15 @@ def write_outputs(args: Args, layout: TrainLayout, config: Any, result: dict[str
     return log
 
 
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _plot(args: Args, layout: TrainLayout, losses: list[float], single: list[float] | None, vocab: int) -> None:
+    if not _has_matplotlib():  # (a MindSpore environment may lack it; the summary says so)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +72,8 @@ def _plot(args: Args, layout: TrainLayout, losses: list[float], single: list[flo
 
 def print_summary(args: Args, layout: TrainLayout, result: dict[str, Any], log: dict[str, Any],
                   single: list[float] | None) -> None:
-    print(f"\nQwen3.5 ({args.config}, {log['parameters']:,} parameters) trained with {layout.describe()}")
+    on = "" if args.backend is Backend.TORCH else f" on {args.backend.value}"
+    print(f"\nQwen3.5 ({args.config}, {log['parameters']:,} parameters) trained with {layout.describe()}{on}")
     first = result["losses"][result["start_step"]]
     print(f"  steps {result['start_step'] + 1}-{args.steps}: loss {first:.4f} -> {log['final_loss']:.4f}")
     if layout.dp > 1:
@@ -78,5 +88,9 @@ def print_summary(args: Args, layout: TrainLayout, result: dict[str, Any], log: 
         print(f"  largest |loss({layout.describe()}) - loss(1 process)| over the run: "
               f"{log['max_loss_diff_vs_single']:.2e}")
     tb = result.get("tensorboard_dir")
-    print(f"  wrote {os.path.join(args.out_dir, 'loss.png')}, {os.path.join(args.out_dir, 'log.json')}, "
-          f"{f'TensorBoard events in {tb}, ' if tb else ''}checkpoint in {args.checkpoint_dir}")
+    saved = (f"checkpoint in {args.checkpoint_dir}" if args.backend is Backend.TORCH
+             else "no checkpoint (the MindSpore backend does not write them yet)")
+    plot = (f"{os.path.join(args.out_dir, 'loss.png')}, " if _has_matplotlib()
+            else "no loss.png (this Python has no matplotlib: pip install matplotlib), ")
+    print(f"  wrote {plot}{os.path.join(args.out_dir, 'log.json')}, "
+          f"{f'TensorBoard events in {tb}, ' if tb else ''}{saved}")
