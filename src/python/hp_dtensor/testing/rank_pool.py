@@ -13,11 +13,14 @@ module-level function) because ranks are spawned.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -76,6 +79,24 @@ def _rank_main(
         except BaseException:
             results.put((case_id, rank, False, traceback.format_exc()))
     plat.destroy()
+    _exit_now(results)
+
+
+def _exit_now(results: Any) -> None:
+    """Leave without the interpreter's teardown: freeing the framework's modules one by one took
+    about 0.9 s of each rank's exit (1.7 s of CPU for a 4-rank pool), paid by every test file that
+    closes a pool.  What an exit must do still runs: the results are flushed to the pipe, exit
+    handlers (``atexit``, ``weakref.finalize``: temporary folders) run, logs and streams flush."""
+    results.close()
+    results.join_thread()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 class RankPool:
