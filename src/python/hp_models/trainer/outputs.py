@@ -51,10 +51,11 @@ def _has_matplotlib() -> bool:
 def _plot(args: Args, layout: TrainLayout, losses: list[float], single: list[float] | None, vocab: int) -> None:
     if not _has_matplotlib():  # (a MindSpore environment may lack it; the summary says so)
         return
-    import matplotlib
+    # (not inferred: the MindSpore resolve has no matplotlib; the torch targets name it in BUILD)
+    import matplotlib  # pants: no-infer-dep
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # pants: no-infer-dep
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses, label=layout.describe())
