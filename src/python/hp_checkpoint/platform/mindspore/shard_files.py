@@ -76,8 +76,9 @@ def _read_bf16(file: _ShardFile, key: str, start: Sequence[int], stop: Sequence[
     begin = file.data_start + int(entry["data_offsets"][0])
     if not start:
         start, stop = [0] * len(shape), shape
+    rows: tuple[int, ...] = ()
     if not shape:
-        lo, hi, rows = 0, 1, ()
+        lo, hi = 0, 1
     else:
         row = int(np.prod(shape[1:], dtype=np.int64)) * 2
         lo, hi = int(start[0]), int(stop[0])
