@@ -29,7 +29,7 @@ samples=(
   # The new parallelisms: their tests and the model code built on them, nothing of each other.
   "src/python/hp_pp/__init__.py|tests/hp_pp tests/hp_models tests/hp_ep tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_cp/platform/torch/ring.py|tests/hp_cp tests/hp_models tests/hp_ep tests/hp_models/mindspore"
-  "src/python/hp_ep/__init__.py|tests/hp_ep tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore"
+  "src/python/hp_ep/__init__.py|tests/hp_ep tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_models/__init__.py|tests/hp_ep tests/hp_models tests/hp_models/mindspore"
   "src/python/hyper_parallel/__init__.py|tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore"
 )
