@@ -2,7 +2,7 @@
 then tensor parallelism, then FSDP/HSDP, in the torch trainer's composition order.
 
 Tensor parallelism is the model's own plan (``parallelize_qwen3_5_ms_tp``: ShardingConfigs on
-the protocol Modules, replicated activations between blocks, no sequence parallelism); FSDP
+the protocol Modules) with sequence parallelism and loss parallel, as the torch trainer's; FSDP
 shards each decoder layer as one group and the root (embedding, final norm, ``lm_head``) as
 another, over ``fsdp`` (FSDP) or ``(dp_replicate, fsdp)`` (HSDP) of the job's mesh.
 """
@@ -30,7 +30,7 @@ def build_model_ms(weights: str, layout: TrainLayout, config: Any, *, distribute
     coord = dense.get_coordinate()
     assert coord is not None
     if dims.tp > 1:
-        parallelize_qwen3_5_ms_tp(model, dense["tp"])
+        parallelize_qwen3_5_ms_tp(model, dense["tp"], sequence_parallel=True, loss_parallel=True)
     if layout.uses_fsdp:
         dp_mesh = dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"]
         for layer in model.model.layers:

@@ -38,9 +38,16 @@ class StepRunner:
         self.model, self.layout, self.distributed = model, layout, distributed
         scale = layout.loss_scale()
 
+        from hp_dtensor import DTensor
+        from hp_tp import loss_parallel
+
         def loss_fn(ids: Any, tgt: Any) -> Any:
-            logits = _plain(model(ids))  # a TP model's logits: a replicated DTensor
-            loss = ops.cross_entropy(logits.reshape(-1, vocab), tgt.reshape(-1))
+            logits = model(ids)
+            if isinstance(logits, DTensor):  # a TP model's logits, split over the vocab
+                with loss_parallel():
+                    loss = _plain(ops.cross_entropy(logits.reshape(-1, vocab), tgt.reshape(-1)))
+            else:
+                loss = ops.cross_entropy(logits.reshape(-1, vocab), tgt.reshape(-1))
             return loss * scale if scale != 1.0 else loss
 
         self._grad_fn = ms.value_and_grad(loss_fn, None, params)
