@@ -18,6 +18,7 @@ from hp_models.trainer.lr_schedule import LRSchedule
 from hp_models.trainer.metrics import Metrics, progress, tensorboard_dir
 from hp_models.trainer.optimizer import build_optimizer, set_lr
 from hp_models.trainer.parallelize import build_model
+from hp_models.trainer.partial_grads import replicate_partial_grads
 from hp_models.trainer.step import train_step
 
 
@@ -55,6 +56,7 @@ def fit(args: Args, layout: TrainLayout, config: Any, rank: int, *, distributed:
         ids, tgt = step_batch(args.seed, step, layout, args.seq_len, config.vocab_size)
         opt.zero_grad()
         value = train_step(model, layout, dp_rank, ids, tgt, tp_loss=distributed and layout.tp > 1)
+        replicate_partial_grads(model.parameters())
         norm = grad_norm(model, layout.optim.max_grad_norm)
         lr = schedule.at(step)
         set_lr(opt, lr)
