@@ -15,7 +15,7 @@ import json
 import struct
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,17 +76,12 @@ def _read_bf16(file: _ShardFile, key: str, start: Sequence[int], stop: Sequence[
     begin = file.data_start + int(entry["data_offsets"][0])
     if not start:
         start, stop = [0] * len(shape), shape
-    rows: tuple[int, ...] = ()
-    if not shape:
-        lo, hi = 0, 1
-    else:
-        row = int(np.prod(shape[1:], dtype=np.int64)) * 2
-        lo, hi = int(start[0]), int(stop[0])
-        rows = (hi - lo, *shape[1:])
+    lo, hi = (int(start[0]), int(stop[0])) if shape else (0, 1)
+    row_bytes = 2 * int(np.prod(shape[1:], dtype=np.int64))  # (a 0-d entry: one element)
     with open(file.path, "rb") as f:
-        f.seek(begin + (lo * row if shape else 0))
-        raw = f.read(((hi - lo) * row) if shape else 2)
-    bits = np.frombuffer(raw, dtype="<u2").reshape(rows)
+        f.seek(begin + lo * row_bytes)
+        raw = f.read((hi - lo) * row_bytes)
+    bits = np.frombuffer(raw, dtype="<u2").reshape((hi - lo, *shape[1:]) if shape else ())
     box = tuple(slice(int(a), int(b)) for a, b in zip(start[1:], stop[1:]))
     return _from_bf16_bits(np.ascontiguousarray(bits[(slice(None), *box)] if shape else bits))
 
@@ -112,15 +107,12 @@ class _MsShardFiles:
 
     @staticmethod
     @contextmanager
-    def _opened(path: str) -> Iterator[_ShardFile]:
+    def open(path: str) -> Iterator[_ShardFile]:
         from safetensors import safe_open
 
         with safe_open(path, framework="np") as handle:  # validates the header first
             header, data_start = _read_header(path)
             yield _ShardFile(path, handle, header, data_start)
-
-    def open(self, path: str) -> AbstractContextManager[Any]:
-        return self._opened(path)
 
     @staticmethod
     def read(handle: Any, key: str, start: Sequence[int], stop: Sequence[int]) -> Tensor:
