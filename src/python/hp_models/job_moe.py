@@ -6,8 +6,9 @@ dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_de
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
 model actually built: expert parallelism on a dense model, an expert count the ep size does not
 divide, and the combinations of a mixture-of-experts model with parallelism the MoE path does not
-build yet (pipeline parallelism; context parallelism together with tensor parallelism, or on
-packed documents).
+build yet (pipeline parallelism; context parallelism together with tensor parallelism).  Packed
+documents, which the MoE step cannot keep apart, are refused where the data settings are known
+(``hp_models.job``).
 """
 
 from __future__ import annotations
