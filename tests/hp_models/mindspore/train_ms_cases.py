@@ -33,6 +33,18 @@ def torch_single(rank: int, world: int, args: Args, layout: TrainLayout, weights
     return train(args, layout, config, 0, distributed=False, quiet=True)
 
 
+def torch_ranks(rank: int, world: int, args: Args, layout: TrainLayout, weights: str | None = None) -> dict[str, Any]:
+    """On each torch rank of a pool: the torch trainer over the pool's gloo ranks (checkpoints as
+    ``args`` say); with ``weights``, rank 0 first writes the initial weights for MindSpore runs."""
+    from hp_models.trainer.loop import train
+    from hp_models.trainer.mindspore.weights import write_torch_initial_state
+
+    config = load_config(args)
+    if weights is not None and rank == 0:
+        write_torch_initial_state(config, args.seed, weights)
+    return train(args, layout, config, rank, distributed=world > 1, quiet=True)
+
+
 def ms_run(rank: int, world: int, args: Args, layout: TrainLayout, weights: str, *, single: bool = False):
     """On each MindSpore rank: the MindSpore trainer over the pool's ranks, or (``single``) on rank
     0 alone as one process (the other ranks return None)."""
