@@ -52,8 +52,8 @@ def mindspore_gaps(layout: TrainLayout, *, checkpoint_format: CheckpointKind | N
     gaps = []
     if checkpoint_format is CheckpointKind.DCP:
         # DCP is torch.distributed.checkpoint's own file format and planner, which MindSpore lacks
-        gaps.append("DCP checkpoints (--checkpoint-format dcp: torch.distributed.checkpoint's files); MindSpore "
-                    "writes and resumes --checkpoint-format safetensors-shards, its default, which torch reads too")
+        gaps.append("DCP checkpoints (--checkpoint-format dcp, torch.distributed.checkpoint's files; drop the flag: "
+                    "MindSpore writes and resumes safetensors-shards checkpoints, which torch resumes too)")
     if layout.pp > 1:
         gaps.append(f"pipeline parallelism (pipeline_parallel={layout.pp})")
     if layout.cp > 1:
