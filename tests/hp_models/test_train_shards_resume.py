@@ -2,7 +2,8 @@
 """The torch trainer's safetensors-shards checkpoints (``--checkpoint-format safetensors-shards``,
 the format MindSpore reads too) on one process: a run of 3 steps, stopped after step 1 and resumed,
 gives the straight run's losses bit for bit; the checkpoint holds the model, AdamW's moments and
-step count and the generator state.  (Resharding and crossing
+step count and the generator state.  Pipeline parallelism (each stage holds its own layers) is
+refused with this format before any rank starts.  (Resharding and crossing
 to MindSpore on real ranks: ``tests/hp_models/mindspore/test_train_ms_torch_resume.py``.)"""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from hp_models import train
@@ -41,3 +43,13 @@ def test_stopped_and_resumed_equals_the_straight_run(tmp_path: Path, capsys) -> 
     saved_rng = json.loads((step1 / "manifest.json").read_text())["tensors"]["rng.torch_cpu"]
     assert saved_rng["dtype"] == "uint8" and tuple(saved_rng["shape"]) == tuple(torch.get_rng_state().shape)
     assert sorted(os.listdir(resumed / "checkpoint")) == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+def test_pipeline_parallelism_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    args = train.parse_args(["--out-dir", str(tmp_path), *SHORT, "--pp", "2", "--nproc", "2"])
+    with pytest.raises(SystemExit) as info:
+        train.check_args(args)
+    msg = str(info.value.code)
+    assert msg.startswith("error: --checkpoint-format safetensors-shards with pipeline_parallel=2"), msg
+    assert "use --checkpoint-format dcp" in msg, msg
+    assert not (tmp_path / "checkpoint").exists()

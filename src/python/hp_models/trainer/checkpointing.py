@@ -32,13 +32,18 @@ def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
     write into another run's checkpoints (it would prune its own saves as older than theirs, and a
     later ``--resume`` would continue theirs), unless ``--overwrite``; ``--resume`` continues a
     checkpoint of this same run with steps left to train, in a format this backend reads (MindSpore
-    reads safetensors-shards, not torch's DCP files)."""
+    reads safetensors-shards, not torch's DCP files); a pipeline-parallel run saves DCP only."""
     from hp_checkpoint.manifest import CheckpointKind, checkpoint_entries, complete_checkpoints
     from hp_dtensor.layout.shard_boxes import CheckpointError
     from hp_models.trainer.backend import Backend
     from hp_models.trainer.resume import resume_plan
 
     root = args.checkpoint_dir
+    if layout.pp > 1 and args.save_format == CheckpointKind.SAFETENSORS_SHARDS:
+        # its save writes one tensor list for the whole job; a pipeline stage holds its own layers only
+        sys.exit(f"error: --checkpoint-format safetensors-shards with pipeline_parallel={layout.pp}: that format "
+                 f"needs every rank to hold every tensor (its own boxes of it), and a pipeline stage holds only its "
+                 f"own layers; use --checkpoint-format dcp (the torch default) with pipeline parallelism")
     if os.path.exists(root) and not os.path.isdir(root):
         sys.exit(f"error: --checkpoint-dir {root} is a file, not a directory; pass a directory (it is created "
                  f"if missing) or move the file away")
