@@ -102,7 +102,11 @@ def export_hf_safetensors(
                 error = f"rank {rank} could not write {shard.name}: {type(e).__name__}: {e}"
             live = 0
         del out
-    if rank == 0 and error is None:
+    # every rank's outcome first: an index must not name the files of an export that failed
+    errors = [e for e in prims.all_gather_object(error) if e is not None]
+    if errors:
+        raise RuntimeError(f"HF export into {path!r} failed: {errors[0]}")
+    if rank == 0:
         try:
             _write_json(os.path.join(path, INDEX_NAME), plan.index_json())
             for fname, content in (extra_json or {}).items():
