@@ -1,10 +1,11 @@
 """Export a (sharded) model state dict as Hugging Face safetensors shards, never whole on one rank.
 
 Every output tensor gets one writer rank, balanced by bytes; the writer alone materializes it,
-from the boxes the ranks hold (point to point, replicas sent once), one file at a time, writes
-``model-0000k-of-0000n.safetensors`` and drops it; rank 0 writes ``model.safetensors.index.json``
-(and extra JSON files such as ``config.json``).  A rank therefore holds at most its assigned
-share plus one tensor's conversion scratch, not the model.
+from the boxes the ranks hold (each moved once, between its holder and the writer only), one file
+at a time, writes ``model-0000k-of-0000n.safetensors`` and drops it; once every rank has written
+its files, rank 0 writes ``model.safetensors.index.json`` (and extra JSON files such as
+``config.json``).  A rank therefore holds at most its assigned share plus one tensor's
+conversion scratch, not the model.
 
 The model-specific part is two things the caller passes: ``groups`` (each output name -> the
 state-dict keys it is built from, in order) and ``convert`` (those keys' whole tensors -> the one
