@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,method-assign,assignment"
 """Gathering a tensor whole onto one rank on MindSpore (mccl, which has no point-to-point): each
 box moves by a broadcast inside the group of its holder and the destination, created on demand by
 those two ranks.  On 4 ranks (pairs that overlap, created in the planned order) every placement

@@ -1,4 +1,4 @@
-# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload"
+# mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload,method-assign"
 """HF safetensors export of the MindSpore Qwen3.5 on 2 mccl ranks (tp=2, and FSDP through
 ``fully_shard``), float32 and bfloat16: the files hold, tensor for tensor and bit for bit, the
 source HF weights the torch model wrote and the torch model's own export of the same weights at
@@ -75,7 +75,12 @@ def ms_side(rank: int, world: int, tie: bool, dtype: str, layout: str, root: str
     from hp_dtensor.platform import current
     from hp_fsdp import fully_shard
     from hp_models.qwen3_5.config import tiny_config
-    from hp_models.qwen3_5.mindspore import Qwen3_5ForCausalLM, load_hf_weights, parallelize_qwen3_5_ms_tp, save_hf_weights
+    from hp_models.qwen3_5.mindspore import (
+        Qwen3_5ForCausalLM,
+        load_hf_weights,
+        parallelize_qwen3_5_ms_tp,
+        save_hf_weights,
+    )
     from hp_models.qwen3_5.state_dict_adapter import Qwen3_5StateDictAdapter
 
     cfg = tiny_config(tie_word_embeddings=tie)
@@ -205,8 +210,12 @@ def ms_failing(rank: int, world: int, root: str, what: str) -> str:
     from hp_dtensor import init_device_mesh
     from hp_dtensor.platform import current
     from hp_models.qwen3_5.config import tiny_config
-    from hp_models.qwen3_5.mindspore import (Qwen3_5ForCausalLM, Qwen3_5MsStateDictAdapter, load_hf_weights,
-                                             parallelize_qwen3_5_ms_tp)
+    from hp_models.qwen3_5.mindspore import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5MsStateDictAdapter,
+        load_hf_weights,
+        parallelize_qwen3_5_ms_tp,
+    )
 
     cfg = tiny_config()
     model = Qwen3_5ForCausalLM(cfg)
