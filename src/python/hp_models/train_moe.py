@@ -13,14 +13,16 @@ Under TP the logits stay split over the vocab (loss parallel).  The loss of each
 the next-token cross entropy plus ``router_aux_loss_coef`` times the router's load-balancing
 loss over that forward's tokens (all of its tensor-parallel group's).
 
-Under context parallelism (``context_parallel`` > 1, without TP: the MoE plan needs sequence
-parallelism, which CP replaces) the model is parallelized in the same order as the dense one, EP,
-then CP (``parallelize_qwen3_5_cp``), then activation checkpointing, then FSDP over ``dp_shard *
-cp``: each rank runs its share of every sequence, dispatches its own tokens to the experts of its
-ep group (which may span CP ranks: ``efsdp = dp_shard * cp * tp // ep``), the cross entropy is
-reduced over the CP group with the whole sequence's token count, and the router's load-balancing
-statistics are summed over the CP group (the blocks' ``token_mesh``), so each forward's loss is
-that of its whole sequences.
+Under context parallelism (``context_parallel`` > 1) the model is parallelized in the same order
+as the dense one, TP and EP, then CP (``parallelize_qwen3_5_cp``), then activation checkpointing,
+then FSDP over ``dp_shard * cp``: each rank runs its share of every sequence, dispatches its own
+tokens to the experts of its ep group (which may span CP ranks: ``efsdp = dp_shard * cp * tp //
+ep``), the cross entropy is reduced over the CP group with the whole sequence's token count, and
+the router's load-balancing statistics are summed over the CP group (the blocks' ``token_mesh``),
+so each forward's loss is that of its whole sequences.  With TP as well, TP runs without sequence
+parallelism and the logits stay whole over the vocab, as for the dense model under CP; each MoE
+block still runs on its TP rank's share of the CP rank's tokens (cut at entry, gathered at exit),
+so the router's statistics are summed over the CP and TP ranks together.
 
 Every step the routed token copies per expert and layer are summed over the ranks; the summary
 prints their balance (fewest and most per expert, per step and over the run).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,12 +70,21 @@ def config_from_file(path: str) -> Qwen3_5Config:
     return Qwen3_5Config.from_json_file(path)  # (which names the file when it is missing)
 
 
-def check_model(config: Qwen3_5Config, layout: TrainLayout) -> None:
-    """``ValueError`` for a tensor-parallel size the MoE model's shared expert cannot split."""
+def check_model(config: Qwen3_5Config, layout: TrainLayout, seq_len: int) -> None:
+    """``ValueError`` for a tensor-parallel size the MoE model's shared expert cannot split, and,
+    under context and tensor parallelism, for a sequence length whose CP shards the TP ranks
+    cannot split (each MoE block runs on its TP rank's share of the CP rank's tokens)."""
     if isinstance(config, Qwen3_5MoeConfig):
         from hp_models.qwen3_5_moe.parallelize import check_moe_tp_size
 
         check_moe_tp_size(config, layout.tp)
+        cp, tp = layout.cp, layout.tp
+        if cp > 1 and tp > 1 and seq_len % (cp * tp):
+            raise ValueError(
+                f"--seq-len {seq_len} over context_parallel {cp} and tensor_parallel {tp}: each MoE block splits a "
+                f"CP rank's {seq_len / cp:g} tokens over the {tp} TP ranks; use a --seq-len that is a multiple of "
+                f"{cp * tp}"
+            )
 
 
 # ---------------------------------------------------------------- the balance of the experts
@@ -173,10 +185,16 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
         expert_dp = sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
     coord = dense.get_coordinate()
     assert coord is not None
-    # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer.
-    parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh, etp_mesh=etp_mesh,
-                            loss_parallel=dims.tp > 1, dispatcher=moe.dispatcher,
-                            npu_nums_per_device=moe.npu_nums_per_device)
+    # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer; under
+    # CP they stay whole (the CP loss reduces over the CP ranks itself) and sequence parallelism,
+    # on with TP, is ignored with a warning, shown by rank 0 only.
+    with warnings.catch_warnings():
+        if dense.get_rank() != 0:
+            warnings.simplefilter("ignore", UserWarning)
+        parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh,
+                                etp_mesh=etp_mesh, loss_parallel=dims.tp > 1 and dims.cp == 1,
+                                context_parallel=dims.cp, dispatcher=moe.dispatcher,
+                                npu_nums_per_device=moe.npu_nums_per_device)
     if dims.cp > 1:
         _context_parallel(model, layout)
     # after TP, EP and CP (their collectives, the token all-to-alls included, rerun in the
@@ -209,10 +227,11 @@ def _context_parallel(model: Any, layout: TrainLayout) -> None:
     split, cp_dims = context_mesh(layout)
     cp = ContextParallel(split[cp_dims], layout.context)
     parallelize_qwen3_5_cp(model, cp)
-    # the router's statistics are summed over the whole CP group: one dim (hybrid's two flattened)
-    tokens = split["cp"] if cp_dims == ("cp",) else init_device_mesh(
-        "cpu", (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))["cp"]
+    # the router's statistics are summed over the whole CP group (hybrid's two dims as one) and,
+    # under TP, its TP ranks, each of which routes its share of the CP rank's tokens
+    whole = init_device_mesh("cpu", (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    tokens = whole["cp", "tp"] if d.tp > 1 else whole["cp"]
     for block in model.moe_blocks():
         block.token_mesh = tokens
     object.__setattr__(model, "context_parallel", cp)

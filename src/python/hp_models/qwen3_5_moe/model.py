@@ -85,7 +85,8 @@ class SparseMoeBlock(Module):
     Under a plan that splits the tokens over ranks (sequence parallel), the block runs on this
     rank's tokens only and ``token_mesh`` names the mesh they are split over: the router and the
     shared-expert gate then use their replicated weights locally (partial gradients, summed over
-    the mesh) and the load-balancing loss sums its statistics over it."""
+    the mesh) and the load-balancing loss sums its statistics over it (over every dim of it: the
+    CP and TP ranks when both split the tokens)."""
 
     def __init__(self, config: Qwen3_5MoeConfig) -> None:
         super().__init__()
@@ -163,8 +164,9 @@ def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch
 
 
 def _sum_over(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
-    """Each rank's ``t`` summed over ``mesh``, the same on every rank (differentiable)."""
-    total: torch.Tensor = DTensor.from_local(t, mesh, [Partial()], run_check=False).full_tensor()
+    """Each rank's ``t`` summed over ``mesh`` (every dim of it), the same on every rank
+    (differentiable)."""
+    total: torch.Tensor = DTensor.from_local(t, mesh, [Partial()] * mesh.ndim, run_check=False).full_tensor()
     return total
 
 
