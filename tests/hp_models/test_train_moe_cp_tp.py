@@ -2,10 +2,11 @@
 """The MoE trainer under context and tensor parallelism together on 4 gloo ranks (cp=2 x tp=2):
 the TP plan without sequence parallelism, each MoE block running on its TP rank's half of the CP
 rank's tokens, with ep=2 (the ep group is the TP group), ep=4 over the deredundancy dispatcher
-(EP across the CP and TP ranks), ep=1 (each expert TP-split over etp=2 and fully sharded over
-the CP ranks) and ulysses with ep=2.  Each reports the losses of the same run on one process (the
-trainer's ``--compare-single`` reference) and the same tokens per expert in every layer and step,
-and every rank holds its share of each parameter as the layout says."""
+(EP across the CP and TP ranks, with full activation checkpointing), ep=1 (each expert TP-split
+over etp=2 and fully sharded over the CP ranks) and ulysses with ep=2 (selective activation
+checkpointing).  Each reports the losses of the same run on one process (the trainer's
+``--compare-single`` reference) and the same tokens per expert in every layer and step, and every
+rank holds its share of each parameter as the layout says."""
 
 from __future__ import annotations
 
@@ -36,19 +37,22 @@ def _job(tmp_path, parallelism: dict[str, Any]) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("parallelism,layout,experts", [
-    ({"expert_parallel": 2}, {"cp": 2, "tp": 2, "ep": 2, "efsdp": 2, "accumulation_steps": 4}, EP),
+@pytest.mark.parametrize("parallelism,flags,layout,experts", [
+    ({"expert_parallel": 2}, [], {"cp": 2, "tp": 2, "ep": 2, "efsdp": 2, "accumulation_steps": 4}, EP),
+    # the block's token cut and gather and the dispatch's all-to-alls rerun in the recomputation
     ({"expert_parallel": 4, "moe_token_dispatcher_type": "alltoall_deredundancy", "npu_nums_per_device": 2},
-     {"cp": 2, "tp": 2, "ep": 4, "efsdp": 1}, EP),
-    ({"expert_parallel": 1}, {"cp": 2, "tp": 2, "etp": 2, "edp": 2}, ETP),
+     ["--activation-checkpoint", "full"], {"cp": 2, "tp": 2, "ep": 4, "efsdp": 1, "activation_checkpoint": "full"},
+     EP),
+    ({"expert_parallel": 1}, [], {"cp": 2, "tp": 2, "etp": 2, "edp": 2}, ETP),
     ({"expert_parallel": 2, "context_parallel_method": "ulysses", "ulysses_degree_in_cp": 2},
-     {"cp": 2, "cp_method": "ulysses", "tp": 2, "ep": 2, "efsdp": 2}, EP),
-], ids=["colossal-ep2", "colossal-ep4-deredundancy", "colossal-etp2", "ulysses-ep2"])
-def test_moe_cp_tp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any], layout: dict[str, Any],
-                                      experts: dict[str, Any], tmp_path) -> None:
+     ["--activation-checkpoint", "selective"],
+     {"cp": 2, "cp_method": "ulysses", "tp": 2, "ep": 2, "efsdp": 2, "activation_checkpoint": "selective every 2"}, EP),
+], ids=["colossal-ep2", "colossal-ep4-deredundancy-full-ac", "colossal-etp2", "ulysses-ep2-selective-ac"])
+def test_moe_cp_tp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any], flags: list[str],
+                                      layout: dict[str, Any], experts: dict[str, Any], tmp_path) -> None:
     import torch
 
-    argv = ["--job", _job(tmp_path, parallelism), *SHORT]
+    argv = ["--job", _job(tmp_path, parallelism), *SHORT, *flags]
     res = pool4.run(train_and_hold, [*argv, "--out-dir", str(tmp_path / "run")])
     for key, value in layout.items():
         assert res[0]["layout"][key] == value, (key, res[0]["layout"])

@@ -100,13 +100,13 @@ def parallelize_qwen3_5_moe(
     all-to-all only (``ValueError`` with ``ALLTOALL_DEREDUNDANCY``).
 
     ``sequence_parallel`` and ``context_parallel`` are the dense plan's
-    (``parallelize_qwen3_5_tp``): with ``context_parallel > 1`` the sequence is already split over
-    the CP ranks, sequence parallelism is off (with a warning when asked for) and the activations
-    between blocks are replicated over ``tp``; each MoE block still runs on ``1 / tp`` of its
-    rank's tokens (cut at entry, gathered at exit), so each CP rank's sequence length must be a
-    multiple of ``tp`` (the trainer refuses other lengths before any rank starts).  The blocks'
-    ``token_mesh`` is then ``tp_mesh``: the caller who adds CP widens it to the CP and TP ranks
-    (the router's statistics are summed over both).
+    (``parallelize_qwen3_5_tp``; with ``context_parallel > 1``, whose ranks already split the
+    sequence, sequence parallelism is off, with a warning when asked for).  Without sequence
+    parallelism the activations between blocks are replicated over ``tp`` and each MoE block
+    still runs on ``1 / tp`` of its rank's tokens (cut at entry, gathered at exit), so the
+    sequence length a rank holds must be a multiple of ``tp`` (the trainer refuses other lengths
+    before any rank starts).  The blocks' ``token_mesh`` is ``tp_mesh``: a caller who adds CP
+    widens it to the CP and TP ranks (the router's statistics are summed over both).
 
     Logits come back as a ``Replicate()`` DTensor under TP (``Shard(-1)`` over the vocab when
     ``loss_parallel``).  Data-parallel gradient reduction is not done here: dense gradients are
