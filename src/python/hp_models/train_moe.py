@@ -24,6 +24,9 @@ parallelism and the logits stay whole over the vocab, as for the dense model und
 block still runs on its TP rank's share of the CP rank's tokens (cut at entry, gathered at exit),
 so the router's statistics are summed over the CP and TP ranks together.
 
+Under pipeline parallelism (``pipeline_parallel`` > 1, without CP) the stages are built and
+parallelized by ``hp_models.train_moe_pipeline`` on the same meshes (``moe_meshes``).
+
 Every step the routed token copies per expert and layer are summed over the ranks; the summary
 prints their balance (fewest and most per expert, per step and over the run).
 """
@@ -99,7 +102,11 @@ class ExpertLoad:
 
     def add_forward(self, blocks: list[Any]) -> None:
         """Add this rank's counts of the forward just run."""
-        counts = torch.stack([b.tokens_per_expert.to(torch.float64) for b in blocks])
+        self.add_counts(torch.stack([b.tokens_per_expert for b in blocks]))
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """Add this rank's counts per (layer, expert), a ``(layers, experts)`` tensor."""
+        counts = counts.detach().to(torch.float64)
         self._step = counts if self._step is None else self._step + counts
 
     def end_step(self, local_loss: float, world_size: int) -> float:
@@ -146,6 +153,39 @@ def describe_load(load: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- one rank
+@dataclass(frozen=True)
+class MoeMeshes:
+    """This rank's meshes of a MoE run: the dense mesh ``[pp, dp_replicate, fsdp, tp]``, the
+    experts' ``ep`` and ``etp`` dims (None when 1 rank, or not split) and the mesh the experts
+    are fully sharded over (``efsdp``, or ``edp`` under ``etp``; with ``dp_replicate`` as HSDP)."""
+
+    dense: DeviceMesh
+    ep: DeviceMesh | None
+    etp: DeviceMesh | None
+    expert_dp: DeviceMesh
+
+
+def moe_meshes(layout: TrainLayout) -> MoeMeshes:
+    """The ``MoeMeshes`` of ``layout`` (every rank builds them, in the same order)."""
+    from hp_dtensor import init_device_mesh
+
+    dims = layout.dims
+    moe = layout.moe
+    assert moe is not None
+    dense, sparse = dims.build_mesh("cpu")
+    if moe.etp > 1:
+        # ep <= tp: the experts keep a TP split over the etp ranks (the TP ranks sharing an ep
+        # coordinate) and are fully sharded over what is left of efsdp, edp.
+        experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
+                                   mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
+        return MoeMeshes(dense, experts["ep"], experts["etp"],
+                         experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else experts["edp"])
+    if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
+        sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return MoeMeshes(dense, sparse["ep"] if dims.ep > 1 else None, None,
+                     sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"])
+
+
 def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
                     distributed: bool) -> tuple[Any, int]:
     """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh (and, with
@@ -160,29 +200,19 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     if not distributed:
         checkpoint_model_blocks(model, layout)
         return model, 0
-    from hp_dtensor import init_device_mesh
     from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
 
     dims = layout.dims
     moe = layout.moe
     assert moe is not None
-    dense, sparse = dims.build_mesh("cpu")
-    ep_mesh: DeviceMesh | None
-    etp_mesh: DeviceMesh | None
-    if moe.etp > 1:
-        # ep <= tp: the experts keep a TP split over the etp ranks (the TP ranks sharing an ep
-        # coordinate) and are fully sharded over what is left of efsdp, edp.
-        experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
-                                   mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
-        ep_mesh, etp_mesh = experts["ep"], experts["etp"]
-        expert_dp = experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else experts["edp"]
-    else:
-        if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
-            sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(),
-                                      mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-        ep_mesh, etp_mesh = (sparse["ep"] if dims.ep > 1 else None), None
-        expert_dp = sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
+    meshes = moe_meshes(layout)
+    if layout.split is not None:
+        from hp_models.train_moe_pipeline import MoePipelinedModel
+
+        pipelined = MoePipelinedModel(model, layout, meshes)
+        return pipelined, pipelined.dp_rank
+    dense, ep_mesh, etp_mesh, expert_dp = meshes.dense, meshes.ep, meshes.etp, meshes.expert_dp
     coord = dense.get_coordinate()
     assert coord is not None
     # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer; under

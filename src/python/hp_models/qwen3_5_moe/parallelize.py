@@ -36,6 +36,7 @@ from hp_ep import (
     ep_etp_mesh,
     make_expert_parallel,
 )
+from hp_models.qwen3_5.model import decoder_layers
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_tp import (
@@ -113,12 +114,13 @@ def parallelize_qwen3_5_moe(
     summed over the dense mesh's data-parallel dims, expert gradients over ``efsdp`` (FSDP does
     both)."""
     config: Qwen3_5MoeConfig = model.config
+    layers: list[Any] = decoder_layers(model.model)  # (a pipeline stage holds some, by their index)
     if tp_mesh is not None and tp_mesh.size() > 1:
         check_moe_tp_size(config, tp_mesh.size())
         parallelize_qwen3_5_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                                context_parallel=context_parallel, mlp_plan=_moe_block_plan)
         plat = _platform()
-        for layer in model.model.layers:
+        for layer in layers:
             block = layer.mlp
             for gate in (block.gate, block.shared_expert_gate):
                 plat.set_param(gate, "weight", plat.distribute_tensor(gate.weight.data, tp_mesh, [Replicate()]))
@@ -132,13 +134,13 @@ def parallelize_qwen3_5_moe(
                 f"{'no ep_mesh' if ep_mesh is None else f'an ep_mesh of {ep_mesh.size()} ranks'} and {dispatcher}"
             )
         mesh = ep_etp_mesh(ep_mesh, etp_mesh)
-        for layer in model.model.layers:
+        for layer in layers:
             etp_style = ExpertTensorParallel()
             etp_style.apply(layer.mlp.experts, mesh)  # a 2-D style: parallelize_module takes 1-D meshes
             styles.append(etp_style)
         return styles
     if ep_mesh is not None and ep_mesh.size() > 1:
-        for layer in model.model.layers:
+        for layer in layers:
             style = make_expert_parallel(dispatcher, npu_nums_per_device=npu_nums_per_device)
             parallelize_module(layer.mlp, ep_mesh, {"experts": style})
             styles.append(style)
