@@ -6,7 +6,8 @@ etp=2), and interleaved (2 virtual stages per rank, one layer each) with dp_shar
 The router's load-balancing loss combines every layer's routing, so each microbatch's
 statistics travel with its activations and the gradient back with theirs.  Each run reports the
 losses of the same run on one process and the same tokens per expert in every layer and step,
-and each rank holds its share of its own stage's parameters only."""
+and each rank holds its share of its own stage's parameters only.  A checkpoint saved under the
+pipeline resumes without it on the one-process curve."""
 
 from __future__ import annotations
 
@@ -79,6 +80,33 @@ def test_moe_pp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any],
     worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single["losses"]))
     print(f"\n[train moe pp] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single['losses']}\n"
           f"  max rel diff {worst:.2e}; tokens per expert equal to one process in all {STEPS} steps")
+
+
+def _losses(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    args = train.parse_args(argv)
+    config, layout = train.check_args(args)
+    result = train.fit(args, layout, config, rank, distributed=True, quiet=True).result
+    return {"losses": result["losses"], "start": result["start_step"], "describe": layout.describe()}
+
+
+def test_moe_checkpoint_of_a_pipeline_resumes_without_one(pool4: RankPool, tmp_path) -> None:
+    """pp=2 x dp_shard=2 x ep=2 saves at step 2 (each stage's ranks their layers' experts and
+    dense shards) and dp_shard=4 x ep=2 resumes to step 3, on the one-process curve."""
+    out = tmp_path / "run"
+    pp = ["--job", _job(tmp_path, {"tensor_parallel": 1, "data_parallel_shard": 2, "expert_parallel": 2}), *SHORT]
+    part = pool4.run(_losses, [*pp, "--steps", "2", "--out-dir", str(out)])
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(yaml.safe_dump({"parallelism": {"tensor_parallel": 1, "data_parallel_shard": 4, "expert_parallel": 2},
+                                    "training": {"global_batch_size": 8, "local_batch_size": 2}}))
+    resumed = pool4.run(_losses, ["--job", str(flat), *SHORT, "--out-dir", str(out), "--resume"])
+    assert resumed[0]["start"] == 2 and resumed[0]["losses"][:2] == part[0]["losses"]
+    straight = single_process_run(pp, tmp_path / "single")["losses"]
+    import torch
+
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(straight), rtol=1.5e-4, atol=1e-5)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed[0]["losses"], straight))
+    print(f"\n[train moe pp checkpoint] {part[0]['describe']} saved step 2, {resumed[0]['describe']} resumed to "
+          f"{STEPS}: max rel diff to one process {worst:.2e}")
 
 
 @pytest.mark.parametrize("parallelism,flags,words", [
