@@ -4,10 +4,9 @@ Pure (no framework).  ``hp_protocols``' ``JobConfig.resolve`` already checks the
 config's own rules (``expert_parallel`` dividing ``dp_shard * cp * tp``, the deredundancy
 dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_device`` nodes); on
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
-model actually built: expert parallelism on a dense model, an expert count the ep size does not
-divide, and the combination of a mixture-of-experts model with pipeline and context parallelism
-together, which the MoE path does not build yet (``hp_models.job`` refuses MoE with context
-parallelism on packed documents, and under pipeline parallelism in bf16).
+model actually built: expert parallelism on a dense model and an expert count the ep size does
+not divide (``hp_models.job`` refuses MoE with context parallelism on packed documents, and
+under pipeline parallelism in bf16).
 """
 
 from __future__ import annotations
@@ -58,12 +57,6 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
         )
     # (resolve() checked the name and, for deredundancy, that ep is a whole number of nodes)
     dispatcher = TokenDispatcher.from_name(p.moe_token_dispatcher_type)
-    if dims.pp > 1 and dims.cp > 1:
-        raise ValueError(
-            f"pipeline_parallel={dims.pp} with context_parallel={dims.cp}: context parallelism inside the MoE "
-            f"model's pipeline stages is not built in this trainer yet; set context_parallel: 1 (or "
-            f"pipeline_parallel: 1)"
-        )
     etp = dims.etp if dispatcher is TokenDispatcher.ALLTOALL else 1
     return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
                        npu_nums_per_device=p.npu_nums_per_device, etp=etp)

@@ -24,7 +24,7 @@ parallelism and the logits stay whole over the vocab, as for the dense model und
 block still runs on its TP rank's share of the CP rank's tokens (cut at entry, gathered at exit),
 so the router's statistics are summed over the CP and TP ranks together.
 
-Under pipeline parallelism (``pipeline_parallel`` > 1, without CP) the stages are built and
+Under pipeline parallelism (``pipeline_parallel`` > 1, also with CP) the stages are built and
 parallelized by ``hp_models.train_moe_pipeline`` on the same meshes (``moe_meshes``).
 
 Every step the routed token copies per expert and layer are summed over the ranks; the summary

@@ -26,6 +26,7 @@ adds the router's load-balancing loss to each microbatch's objective (``_objecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,12 +53,15 @@ class _Part(nn.Module):
     """A node of the whole model's tree holding this rank's parts."""
 
 
-class PipelinedModel(nn.Module):
-    """``stages``: this rank's stages already built and parallelized (the MoE model's,
-    ``hp_models.train_moe_pipeline``); None: the dense model's, built here."""
+StageBuilder = Callable[[ContextParallel | None, MicrobatchFacts | None], list[PipelineStage]]
 
-    def __init__(self, model: Any, layout: TrainLayout, mesh: DeviceMesh,
-                 stages: list[PipelineStage] | None = None) -> None:
+
+class PipelinedModel(nn.Module):
+    """``build``: builds and parallelizes this rank's stages, given the CP group and the
+    microbatch facts under context parallelism (the MoE model's, ``hp_models.train_moe_pipeline``);
+    None: the dense model's, built here."""
+
+    def __init__(self, model: Any, layout: TrainLayout, mesh: DeviceMesh, build: StageBuilder | None = None) -> None:
         super().__init__()
         split = layout.split
         assert split is not None
@@ -76,7 +80,9 @@ class PipelinedModel(nn.Module):
             cp_coord = cp_split.get_coordinate()
             assert cp_coord is not None
             self.dp_rank = cp_coord[1] * dims.dp_shard + cp_coord[2]
-        if stages is None:
+        if build is not None:
+            stages = build(self.cp, self._facts)
+        else:
             stages = pipeline_qwen3_5(
                 model, split, mesh, reshard_after_forward=dims.reshard_after_forward,
                 sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload, mp_policy=fsdp_policy(layout),

@@ -11,6 +11,11 @@ probability sums, ``E * C_e / R^2`` (the global counts), travels back with the h
 gradient through the same additions to every stage's routers; so the loss and its gradients are
 those of one process, microbatch by microbatch, under any schedule.  The hidden states and the
 statistics share a dtype: float32 (or float64), where the counts are exact.
+
+When the stage's tokens are split over ranks (TP's sequence shards, CP's shares of the sequence)
+each rank's statistics are those of its tokens, and the last stage sums them over those ranks
+(``token_mesh``).  Under context parallelism (``context``) the stage computes on its CP rank's
+share with the microbatch's sequence facts, as ``hp_models.qwen3_5.pipeline_cp``'s stages do.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from typing import Any
 
 import torch
 
-from hp_dtensor import DeviceMesh, DTensor, Shard
+from hp_cp import ContextParallel
+from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
+from hp_models.qwen3_5.context_parallel import cp_rotary
 from hp_models.qwen3_5.pipeline import Qwen3_5Stage
+from hp_models.qwen3_5.pipeline_cp import MicrobatchFacts
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_models.qwen3_5_moe.model import SparseMoeBlock, balance_loss
 from hp_pp import PipelineStage, StageSplit
@@ -63,6 +71,10 @@ class Qwen3_5MoeStage(Qwen3_5Stage):
     def __init__(self, full: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__(full, layers, first=first, last=last)
         self.stats: torch.Tensor | None = None
+        # the ranks the stage's tokens are split over (TP, or CP and TP), whose statistics the loss sums
+        self.token_mesh: DeviceMesh | None = None
+        # under context parallelism: the CP group and the microbatches' sequence facts
+        self.context: tuple[ContextParallel, MicrobatchFacts] | None = None
         # each layer's MoE block, found once (activation checkpointing may wrap the layer)
         self._blocks: list[tuple[int, SparseMoeBlock]] = [
             (i, next(m for m in full.model.layers[i].modules() if isinstance(m, SparseMoeBlock))) for i in layers
@@ -71,21 +83,31 @@ class Qwen3_5MoeStage(Qwen3_5Stage):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         body: Any = self.model
         cfg: Qwen3_5MoeConfig = self.config
-        n = statistics_size(cfg)
-        stats: torch.Tensor | None
+        stats: torch.Tensor | None = None
         if self.first:
-            seq = x.shape[1]
             h = body.embed_tokens(x)
-            stats = None
         else:
-            h, stats = unpack(x, n)
-            if self.tp_mesh is not None:
-                h = DTensor.from_local(h, self.tp_mesh, [Shard(1)])
-            seq = h.shape[1]  # the whole sequence, also when sharded
-        cos, sin = body.rotary_emb(seq, h.dtype)
+            x, stats = unpack(x, statistics_size(cfg))
+            if self.tp_mesh is not None:  # sequence parallel, or (under CP) replicated over tp
+                h = DTensor.from_local(x, self.tp_mesh, [Replicate() if self.context else Shard(1)])
+            else:
+                h = x
+        extra: dict[str, Any] = {}
+        if self.context is not None:  # this CP rank's share of the microbatch's sequence
+            cp, facts = self.context
+            tokens = facts.take(self)
+            if tokens.seq_len != x.shape[1] * cp.cp:
+                raise ValueError(
+                    f"the stage's input holds {x.shape[1]} tokens per row but the microbatch's sequence of "
+                    f"{tokens.seq_len} over context_parallel {cp.cp} gives {tokens.seq_len // cp.cp}"
+                )
+            cos, sin = cp_rotary(body.rotary_emb, cp, tokens, x, h.dtype)
+            extra["tokens"] = tokens
+        else:
+            cos, sin = body.rotary_emb(h.shape[1], h.dtype)  # the whole sequence, also when sharded
         blocks = dict(self._blocks)
         for name, layer in body.layers.items():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, **extra)
             mine = _layer_statistics(blocks[int(name)], int(name), cfg)
             stats = mine if stats is None else stats + mine.to(stats.dtype)
         assert stats is not None
@@ -97,13 +119,13 @@ class Qwen3_5MoeStage(Qwen3_5Stage):
 
     def aux_loss(self) -> torch.Tensor:
         """The load-balancing loss of the microbatch the last stage's forward just ran (summed
-        over the TP ranks, which route their shares of its tokens)."""
+        over ``token_mesh``, the ranks that route shares of its tokens)."""
         if self.stats is None:
             raise RuntimeError("aux_loss needs a forward of the last stage first")
         cfg: Qwen3_5MoeConfig = self.config
         e, lay = cfg.num_experts, cfg.num_hidden_layers
         counts = self.stats[:lay * e].reshape(lay, e).sum(dim=0)
-        return balance_loss(counts, self.stats[lay * e:lay * e + e], self.stats[-1], self.tp_mesh)
+        return balance_loss(counts, self.stats[lay * e:lay * e + e], self.stats[-1], self.token_mesh)
 
     def expert_counts(self) -> torch.Tensor:
         """The last forward's assignments per (layer, expert) of this rank's tokens, every layer."""
