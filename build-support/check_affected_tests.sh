@@ -12,19 +12,19 @@ cd "$(dirname "$0")/.."
 
 # changed file -> the test folders it must select (every python_test under each, and nothing else;
 # "!path/test_x.py" excepts one file of a listed folder that does not import the changed package)
-ALL="tests/hp_dtensor tests/hp_dtensor/mindspore tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_checkpoint tests/hp_cp tests/hp_pp tests/hp_ep tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hp_models/mindspore tests/hyper_parallel tests/hyper_parallel/mindspore"
+ALL="tests/hp_dtensor tests/hp_dtensor/mindspore tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_checkpoint tests/hp_checkpoint/mindspore tests/hp_cp tests/hp_pp tests/hp_ep tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hp_models/mindspore tests/hyper_parallel tests/hyper_parallel/mindspore"
 samples=(
   "src/python/hp_dtensor/__init__.py|${ALL}"
   "src/python/hp_dtensor/platform/torch/__init__.py|${ALL}"
-  "src/python/hp_dtensor/platform/mindspore/__init__.py|tests/hp_dtensor/mindspore tests/hp_fsdp/mindspore tests/hp_protocols/mindspore tests/hp_tp/mindspore tests/hyper_parallel/mindspore tests/hp_models/mindspore"
+  "src/python/hp_dtensor/platform/mindspore/__init__.py|tests/hp_dtensor/mindspore tests/hp_checkpoint/mindspore tests/hp_fsdp/mindspore tests/hp_protocols/mindspore tests/hp_tp/mindspore tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_tp/__init__.py|tests/hp_ep tests/hp_fsdp !tests/hp_fsdp/test_clip_grad.py tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_protocols/mindspore tests/hp_models tests/hyper_parallel tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   # A package's framework code is its own: a fix there selects that package's tests and its
   # dependents' (the umbrella's MindSpore tests import hp_fsdp through hyper_parallel).
   "src/python/hp_tp/platform/torch/loss_parallel.py|tests/hp_ep tests/hp_fsdp !tests/hp_fsdp/test_clip_grad.py tests/hp_fsdp/mindspore tests/hp_tp tests/hp_tp/mindspore tests/hp_protocols/mindspore tests/hp_models tests/hyper_parallel tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_fsdp/__init__.py|tests/hp_ep tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_fsdp/platform/torch/fsdp.py|tests/hp_ep tests/hp_fsdp tests/hp_fsdp/mindspore tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
-  "src/python/hp_checkpoint/__init__.py|tests/hp_ep tests/hp_checkpoint tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_reexports.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
-  "src/python/hp_checkpoint/platform/torch/dcp.py|tests/hp_ep tests/hp_checkpoint tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_reexports.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
+  "src/python/hp_checkpoint/__init__.py|tests/hp_ep tests/hp_checkpoint tests/hp_checkpoint/mindspore tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_reexports.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
+  "src/python/hp_checkpoint/platform/torch/dcp.py|tests/hp_ep tests/hp_checkpoint tests/hp_checkpoint/mindspore tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_reexports.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"
   "src/python/hp_protocols/__init__.py|tests/hp_ep tests/hp_protocols tests/hp_protocols/mindspore tests/hp_models tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_reexports.py tests/hp_models/mindspore"
   # The new parallelisms: their tests and the model code built on them, nothing of each other.
   "src/python/hp_pp/__init__.py|tests/hp_pp tests/hp_models tests/hp_ep tests/hyper_parallel !tests/hyper_parallel/test_fsdp_checkpoint_reshard.py !tests/hyper_parallel/test_moved_paths.py tests/hyper_parallel/mindspore tests/hp_models/mindspore"

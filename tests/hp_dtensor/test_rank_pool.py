@@ -66,6 +66,44 @@ def test_hang_times_out_names_ranks_and_pool_recovers(pool4: RankPool) -> None:
     assert restarts == 1
 
 
+def _unpicklable_on_rank_3(rank: int, world_size: int) -> object:
+    import torch
+
+    x = torch.ones(2, requires_grad=True)
+    return x * 2 if rank == 3 else (x * 2).detach()
+
+
+def _returns_lambda(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_result_that_cannot_be_pickled_is_an_error_not_a_timeout(pool4: RankPool) -> None:
+    # a queue pickles in a background thread that drops what it cannot pickle: the case used to
+    # end only at its timeout, as a RankTimeout that hid the cause
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        pool4.run(_unpicklable_on_rank_3, timeout=60)
+    msg = str(info.value)
+    assert "ranks [3]" in msg and "requires_grad" in msg and "detach" in msg
+    with pytest.raises(RankError) as info:
+        pool4.run(_returns_lambda, timeout=60)
+    assert "ranks [0, 1, 2, 3]" in str(info.value) and "lambda" in str(info.value)
+    assert time.monotonic() - start < 20
+    restarts = pool4.restarts
+    assert pool4.run(_all_reduce) == [10.0] * 4  # no restart was needed
+    assert pool4.restarts == restarts
+
+
+def test_function_or_argument_that_cannot_be_pickled_raises_at_once(pool4: RankPool) -> None:
+    start = time.monotonic()
+    with pytest.raises(TypeError, match="must be picklable"):
+        pool4.run(lambda rank, world_size: rank, timeout=60)
+    with pytest.raises(TypeError, match="must be picklable"):
+        pool4.run(_echo, lambda: 1, timeout=60)
+    assert time.monotonic() - start < 5
+    assert pool4.run(_echo, 3) == [(r, 4, 3) for r in range(4)]
+
+
 def test_one_and_two_rank_pools() -> None:
     with RankPool(1) as p1:
         assert p1.run(_all_reduce) == [1.0]

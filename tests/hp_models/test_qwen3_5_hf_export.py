@@ -217,6 +217,38 @@ def test_a_writer_failure_is_raised_on_every_rank(pool2: RankPool) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _export_write_failing_on_rank_1(rank: int, world: int, folder: str) -> str:
+    from hp_checkpoint.platform.torch.shard_files import SHARD_FILES
+    from hp_models.qwen3_5 import Qwen3_5StateDictAdapter, tiny_config
+
+    real = SHARD_FILES.write
+
+    def failing(tensors: Any, file: str) -> None:
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        real(tensors, file)
+
+    SHARD_FILES.write = failing
+    try:
+        Qwen3_5StateDictAdapter(tiny_config()).save(_layout(_model(seed=2), "tp", world), folder)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        del SHARD_FILES.write
+    return "no error"
+
+
+def test_a_write_failure_off_rank_0_is_raised_on_every_rank(pool2: RankPool) -> None:
+    """Rank 0 wrote its file and would write the index: it must learn of rank 1's failure first."""
+    folder = tempfile.mkdtemp()
+    try:
+        for msg in pool2.run(_export_write_failing_on_rank_1, folder, timeout=120):
+            assert "rank 1 could not write model-00002-of-00002.safetensors: OSError" in msg, msg
+        assert not os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # ----- import refuses what does not fit, naming it (one process) -----
 
 

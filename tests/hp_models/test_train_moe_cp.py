@@ -94,10 +94,14 @@ PACKED = {"train_dataset": {"dataloader": {"config": {"create_compressed_eod_mas
 
 @pytest.mark.parametrize("parallelism,extra,words", [
     ({"context_parallel": 2, "data_parallel_shard": 2}, PACKED,
-     ["context_parallel=2 on packed documents", "not built for the MoE model", "use_attn_mask_compression"]),
+     ["packed documents", "with context_parallel=2", "not built for the MoE model", "use_attn_mask_compression"]),
     ({"context_parallel": 2, "tensor_parallel": 2}, PACKED,
-     ["context_parallel=2 on packed documents", "not built for the MoE model", "use_attn_mask_compression"]),
-], ids=["packed-documents", "packed-documents-with-tp"])
+     ["packed documents", "with context_parallel=2", "not built for the MoE model", "use_attn_mask_compression"]),
+    # without CP too: the MoE step used to train the packed rows whole, across document ends
+    ({"data_parallel_shard": 2}, PACKED,
+     ["packed documents (create_compressed_eod_mask: true) are not built for the MoE model", "cross document ends",
+      "create_compressed_eod_mask: false"]),
+], ids=["packed-documents", "packed-documents-with-tp", "packed-documents-no-cp"])
 def test_bad_moe_cp_job_fails_before_any_rank_starts(parallelism, extra, words, tmp_path) -> None:
     job = _job(tmp_path, parallelism, **extra)
     with pytest.raises(SystemExit) as info:

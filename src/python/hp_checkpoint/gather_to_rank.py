@@ -7,9 +7,12 @@ its mesh coordinate; plain tensors: the whole tensor), so the plan does not depe
 meshes were built (one world mesh, or several sub-meshes each holding a replica).  For each
 tensor the plan keeps one holder per distinct box (the destination itself when it holds the box,
 so nothing moves; else a holder picked by a stable hash of the key) and checks that the boxes
-tile the global tensor.  The transfer is point to point: each chosen holder sends its box to the
-destination, which copies it into place.  All ranks walk the tensors in the same order, so the
-lowest unfinished transfer always has both its ends ready and nothing deadlocks.
+tile the global tensor.  Each box then moves between its two ends only: ``move_box`` is called by
+the holder and the destination alone (torch: a send and a receive; MindSpore, whose CPU collectives
+have no point-to-point: a broadcast inside a group of the two ranks), and the destination copies it
+into place, so no third rank ever holds any of it.  All ranks walk the tensors and their boxes in
+the same order, so the lowest unfinished transfer always has both its ends ready and nothing
+deadlocks (a pair's group is created by its two ranks at their first transfer, in that order too).
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ class TransferPrimitives(Protocol):
     def itemsize(self, dtype_name: str) -> int: ...
     def empty(self, shape: Sequence[int], dtype_name: str) -> Tensor: ...
     def put_box(self, buf: Tensor, offsets: Sequence[int], piece: Tensor) -> None: ...
-    def send(self, t: Tensor, dst: int) -> None: ...
-    def recv(self, shape: Sequence[int], dtype_name: str, src: int) -> Tensor: ...
+    def move_box(self, piece: Tensor | None, shape: Sequence[int], dtype_name: str, src: int, dst: int) -> Tensor | None:
+        """Collective over the two ranks ``src`` and ``dst`` (``src != dst``), called by both and
+        no other: ``src`` passes its ``piece`` (``shape``, ``dtype_name``) and gets ``None``;
+        ``dst`` passes ``None`` and gets a new tensor with the piece's values, bit for bit."""
+        ...
 
 
 class TransferBase:
@@ -187,11 +193,11 @@ def gather_to(value: Any, sources: TensorSources, dst: int) -> Tensor | None:
             if src == me:  # a rank's box is its local tensor (a plain tensor's box is all of it)
                 piece = prims.local_of(value)
             else:
-                piece = prims.recv(box.sizes, sources.dtype, src)
+                piece = prims.move_box(None, box.sizes, sources.dtype, src, dst)
             prims.put_box(buf, box.offsets, piece)
         return buf
-    for _box, src in sources.senders:
+    for box, src in sources.senders:
         if src == me:
-            prims.send(prims.local_of(value), dst)
+            prims.move_box(prims.local_of(value), box.sizes, sources.dtype, src, dst)
     return None
 

@@ -1,10 +1,11 @@
 """Export a (sharded) model state dict as Hugging Face safetensors shards, never whole on one rank.
 
 Every output tensor gets one writer rank, balanced by bytes; the writer alone materializes it,
-from the boxes the ranks hold (point to point, replicas sent once), one file at a time, writes
-``model-0000k-of-0000n.safetensors`` and drops it; rank 0 writes ``model.safetensors.index.json``
-(and extra JSON files such as ``config.json``).  A rank therefore holds at most its assigned
-share plus one tensor's conversion scratch, not the model.
+from the boxes the ranks hold (each moved once, between its holder and the writer only), one file
+at a time, writes ``model-0000k-of-0000n.safetensors`` and drops it; once every rank has written
+its files, rank 0 writes ``model.safetensors.index.json`` (and extra JSON files such as
+``config.json``).  A rank therefore holds at most its assigned share plus one tensor's
+conversion scratch, not the model.
 
 The model-specific part is two things the caller passes: ``groups`` (each output name -> the
 state-dict keys it is built from, in order) and ``convert`` (those keys' whole tensors -> the one
@@ -102,7 +103,11 @@ def export_hf_safetensors(
                 error = f"rank {rank} could not write {shard.name}: {type(e).__name__}: {e}"
             live = 0
         del out
-    if rank == 0 and error is None:
+    # every rank's outcome first: an index must not name the files of an export that failed
+    errors = [e for e in prims.all_gather_object(error) if e is not None]
+    if errors:
+        raise RuntimeError(f"HF export into {path!r} failed: {errors[0]}")
+    if rank == 0:
         try:
             _write_json(os.path.join(path, INDEX_NAME), plan.index_json())
             for fname, content in (extra_json or {}).items():

@@ -359,11 +359,15 @@ def plan(
         optim=OptimSettings.of(config.training),
     )
     _check_features(layout)
-    if moe is not None and dims.cp > 1 and layout.context.compression is MaskCompression.EOD:
-        # without CP the MoE path trains packed rows whole: there is no one-process run to equal
+    if moe is not None and layout.context.compression is MaskCompression.EOD:
+        # The dense model trains packed documents as one row each, so attention never crosses a
+        # document's end; the MoE step has no such path and would train the packed rows whole,
+        # attending across documents the job asked to keep apart.
+        cp = f" with context_parallel={dims.cp}" if dims.cp > 1 else ""
         raise ValueError(
-            f"context_parallel={dims.cp} on packed documents (create_compressed_eod_mask) is not built for the MoE "
-            f"model; use ordinary sequences (model.use_attn_mask_compression: true) or context_parallel: 1"
+            f"packed documents (create_compressed_eod_mask: true){cp} are not built for the MoE model: its "
+            f"attention would cross document ends; train it on ordinary sequences (create_compressed_eod_mask: "
+            f"false, and model.use_attn_mask_compression: true under context parallelism)"
         )
     if moe is not None and dims.pp > 1 and layout.param_dtype is not FloatDType.FLOAT32:
         # the stages pass the router's token counts on with the hidden states, in their dtype

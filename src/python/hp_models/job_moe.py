@@ -5,8 +5,8 @@ config's own rules (``expert_parallel`` dividing ``dp_shard * cp * tp``, the der
 dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_device`` nodes); on
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
 model actually built: expert parallelism on a dense model and an expert count the ep size does
-not divide (``hp_models.job`` refuses MoE with context parallelism on packed documents, and
-under pipeline parallelism in bf16).
+not divide.  Packed documents, which the MoE step cannot keep apart, are refused where the data
+settings are known (``hp_models.job``), as is the MoE model under pipeline parallelism in bf16.
 """
 
 from __future__ import annotations

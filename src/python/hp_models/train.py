@@ -20,7 +20,8 @@ tokens/s, peak memory per rank) to ``--out-dir``.  The learning rate follows the
 ``max_grad_norm`` clips the gradients by their global norm over every mesh dim.
 
 Checkpoints go to ``--checkpoint-dir`` as ``step-<N>/`` directories: sharded (each rank writes its
-own shards through ``torch.distributed.checkpoint``), atomic (staging directory, fsync, a manifest
+own shards through ``torch.distributed.checkpoint``, or with ``--checkpoint-format
+safetensors-shards`` one safetensors file per rank), atomic (staging directory, fsync, a manifest
 with checksums written last, rename) and holding the model, the AdamW state keyed by parameter
 name, the step, the generator state, the data position and the losses so far; the newest
 ``--keep`` complete ones are kept.  ``--resume`` continues from the newest complete checkpoint,
@@ -33,8 +34,10 @@ where a directory should be) end the command with one line saying what to do.
 
 ``--backend mindspore`` (or ``HYPER_PARALLEL_PLATFORM=mindspore``) trains the same job on MindSpore
 (``hp_models.trainer.mindspore``): mccl CPU ranks started as ``msrun`` starts them, or this
-process as ``msrun``'s scheduler or worker; tensor parallelism, FSDP/HSDP and the outputs as on
-torch, no checkpoints yet (what it lacks is refused before any rank starts).
+process as ``msrun``'s scheduler or worker; tensor parallelism, FSDP/HSDP, the outputs and the
+checkpoints as on torch, in the safetensors-shards format (``--checkpoint-format``; what it lacks
+is refused before any rank starts).  A safetensors-shards checkpoint resumes on either backend,
+under any parallelism.
 
 This module is the command; its components (flags, checks, parallelize, data, step, optimizer
 and learning-rate schedule, gradient norm, checkpointing, metrics, loop, spawn, outputs) are the
@@ -134,19 +137,29 @@ def _run(args: Args, config: Any, layout: TrainLayout) -> int:
 
 def _run_mindspore(args: Args, config: Any, layout: TrainLayout) -> int:
     """The MindSpore backend: the ranks this command starts (scheduler and workers, as msrun
-    starts them), or this worker of an msrun job; the outputs as on torch, without checkpoints."""
+    starts them), or this worker of an msrun job; the outputs and checkpoints as on torch."""
     # (imported by name: the MindSpore backend belongs to the mindspore resolve, the launcher to both)
     ms = importlib.import_module("hp_models.trainer.mindspore.spawn")
     if os.environ.get("MS_ROLE") == "MS_WORKER":
+        if args.overwrite and os.environ.get("MS_NODE_ID") == "0":  # before the first save, which every rank joins
+            clear_for_overwrite(args)
         rank, result = ms.run_launched(args, layout, config)
         if rank != 0:
             return 0
     else:
+        if args.overwrite:
+            clear_for_overwrite(args)
         result = ms.run_spawned_ms(args, layout, config)
     single = None
     if args.compare_single:
+        from hp_checkpoint.manifest import clear_checkpoints
+
         one = single_process(layout, model_sizes(config))
-        single = ms.run_spawned_ms(args, one, config, quiet=True)["losses"]
+        single_args = Args(**{**args.__dict__, "resume": False,
+                              "checkpoint_dir": os.path.join(args.out_dir, "checkpoint-single")})
+        clear_checkpoints(single_args.checkpoint_dir)  # the reference run's own, from an earlier command
+        single = ms.run_spawned_ms(single_args, one, config, quiet=True)["losses"]
+        single = single[-len(result["losses"]):]
     log = write_outputs(args, layout, config, result, single)
     print_summary(args, layout, result, log, single)
     return 0

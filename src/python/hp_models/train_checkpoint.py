@@ -1,6 +1,7 @@
-"""The trainer's checkpoint: everything a resumed run needs to continue the loss curve exactly.
+"""The trainer's checkpoint on torch: everything a resumed run needs to continue the loss curve exactly.
 
-Saved through ``hp_checkpoint.atomic`` (sharded, atomic, verified):
+In the DCP format (``--checkpoint-format dcp``, torch's default) it is saved through
+``hp_checkpoint.atomic`` (sharded, atomic, verified):
 
 - ``model``: the parameters as the model holds them (DTensors: each rank writes its shards);
 - ``optim``: AdamW's state keyed by parameter name, so it reshards with the parameters when the
@@ -14,17 +15,20 @@ Saved through ``hp_checkpoint.atomic`` (sharded, atomic, verified):
   model config).  The learning rate of a step is a function of the step alone, so the schedule
   needs no state of its own.
 
-``--resume`` continues only the run that saved the checkpoint: ``resume_plan`` compares the saved
-run's settings with this run's and refuses naming each one that differs; a different layout
-(tp, dp_shard, replicas, micro-batches) is allowed and announced, the state reshards on load.
+In the safetensors-shards format (``--checkpoint-format safetensors-shards``) the same state is
+saved in the layout both backends share (``hp_models.trainer.shards_checkpoint``), so a MindSpore
+run resumes it, and a torch run resumes a MindSpore run's.  A resume reads whichever format the
+newest checkpoint has.
+
+``--resume`` continues only the run that saved the checkpoint (``hp_models.trainer.resume``): a
+different layout (tp, dp_shard, replicas, micro-batches) or framework is allowed and announced,
+the state reshards on load.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,98 +39,21 @@ from hp_checkpoint.dcp import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from hp_checkpoint.manifest import SkippedStep, read_manifest, scan_checkpoints
+from hp_checkpoint.manifest import CheckpointKind
 from hp_dtensor.layout.shard_boxes import CheckpointError
 from hp_dtensor.platform.torch.collectives import all_gather_object
+from hp_models.trainer.resume import (
+    RUN_KEYS,
+    ResumePlan,
+    check_resumed,
+    resume_plan,
+    run_settings,
+    train_record,
+    trainer_extra,
+)
+from hp_models.trainer.shards_checkpoint import MOMENTS, load_train_shards, save_train_shards, train_state
 
-# Settings that make a run: a checkpoint continues only a run with the same ones.  (The layout,
-# the number of steps and the checkpoint cadence may change between a save and a resume.)
-RUN_KEYS = ("seed", "lr", "seq_len", "global_batch_size", "optimizer", "weight_decay", "model", "lr_schedule",
-            "max_grad_norm", "adam_betas", "adam_eps")
-
-
-def run_settings(*, seed: int, lr: float, seq_len: int, global_batch_size: int, model: dict[str, Any],
-                 optimizer: str = "AdamW", weight_decay: float = 0.0, lr_schedule: dict[str, Any] | None = None,
-                 max_grad_norm: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8) -> dict[str, Any]:
-    """The settings a resumed run must share with the run that saved (as JSON keeps them).
-    ``lr_schedule`` (a schedule other than a constant rate), ``max_grad_norm`` and AdamW's betas
-    and eps other than torch's defaults are recorded only when given, so runs without them keep
-    the settings they had."""
-    run: dict[str, Any] = {"seed": seed, "lr": lr, "seq_len": seq_len, "global_batch_size": global_batch_size,
-                           "optimizer": optimizer, "weight_decay": weight_decay, "model": model}
-    if lr_schedule is not None:
-        run["lr_schedule"] = lr_schedule
-    if max_grad_norm is not None:
-        run["max_grad_norm"] = max_grad_norm
-    if tuple(adam_betas) != (0.9, 0.999):
-        run["adam_betas"] = list(adam_betas)
-    if adam_eps != 1e-8:
-        run["adam_eps"] = adam_eps
-    return json.loads(json.dumps(run))  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class ResumePlan:
-    """What ``--resume`` continues: the newest complete checkpoint, the newer step directories it
-    skipped (with why), and how this run's layout differs from the one that saved."""
-
-    step: int
-    path: str
-    skipped: list[SkippedStep] = field(default_factory=list)
-    layout_changes: list[str] = field(default_factory=list)
-    saved_layout: dict[str, Any] = field(default_factory=dict)
-
-    def announcement(self) -> str:
-        lines = [f"skipped {s.path} (newer, not a complete checkpoint): {s.reason}" for s in self.skipped]
-        saved = self.saved_layout
-        lines.append(f"resuming from {self.path} (step {self.step}, saved with dp_replicate="
-                     f"{saved.get('dp_replicate')} dp_shard={saved.get('dp_shard')} tp={saved.get('tp')})")
-        if self.layout_changes:
-            lines.append(f"layout changed since the save: {', '.join(self.layout_changes)}; the model and "
-                         f"optimizer state reshard on load")
-        return "\n".join(lines)
-
-
-def _differences(saved: Any, here: Any, prefix: str) -> list[str]:
-    if isinstance(saved, dict) and isinstance(here, dict):
-        out = []
-        for key in sorted(set(saved) | set(here)):
-            out += _differences(saved.get(key), here.get(key), f"{prefix}.{key}")
-        return out
-    return [] if saved == here else [f"{prefix.lstrip('.')} {saved!r} (this run: {here!r})"]
-
-
-def resume_plan(root: str, run: dict[str, Any], layout: dict[str, Any]) -> ResumePlan:
-    """The checkpoint ``--resume`` continues, read from its manifest (no collective; the same on
-    every rank).  Raises ``CheckpointError`` when there is none, or when it was saved by a run with
-    other settings (``run_settings``), naming each differing one."""
-    complete, skipped = scan_checkpoints(root)
-    if not complete:
-        why = "".join(f"; {s.path}: {s.reason}" for s in skipped)
-        raise CheckpointError(f"--resume: no complete checkpoint (step-<N>/ with a manifest) in {root!r}{why}; "
-                              f"run without --resume first")
-    step, path = complete[-1]
-    extra = read_manifest(path).extra
-    saved_run = extra.get("run")
-    if not isinstance(saved_run, dict):
-        saved_run = {"seed": extra.get("seed")}  # saved before runs recorded their settings: the seed only
-        run = {"seed": run["seed"]}
-    differ = [d for key in RUN_KEYS if key in saved_run or key in run
-              for d in _differences(saved_run.get(key), run.get(key), key)]
-    if differ:
-        raise CheckpointError(
-            f"--resume: the newest checkpoint {path} was saved by another run: {'; '.join(differ)}. Pass the "
-            f"same settings to continue it, or start a new run with --overwrite (deletes its checkpoints) or "
-            f"another --checkpoint-dir"
-        )
-    raw_layout = extra.get("layout")
-    saved_layout: dict[str, Any] = raw_layout if isinstance(raw_layout, dict) else {}
-    changes = [f"{k} {saved_layout.get(k)} -> {layout.get(k)}" for k in sorted(set(saved_layout) | set(layout))
-               if k != "global_batch_size" and saved_layout.get(k) != layout.get(k)]
-    return ResumePlan(step=step, path=path, skipped=[s for s in skipped if s.step > step],
-                      layout_changes=changes, saved_layout=dict(saved_layout))
-
+__all__ = ["RUN_KEYS", "ResumePlan", "load_train_state", "resume_plan", "run_settings", "save_train_state"]
 
 def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {
@@ -150,14 +77,30 @@ def _check_rng_agrees() -> None:
         )
 
 
+def _shards_state(model: torch.nn.Module, opt: torch.optim.Optimizer, *, rng: bool = True) -> dict[str, Any]:
+    """The state in the layout both backends share (``hp_models.trainer.shards_checkpoint``): the
+    optimizer's own moment tensors (created as its first step would start them), so a load fills
+    them in place."""
+    optim = get_optimizer_state_dict(model, opt)
+    steps = {int(s["step"]) for s in optim["state"].values()}
+    if len(steps) > 1:
+        raise CheckpointError(f"checkpoint: AdamW's parameters are at different step counts {sorted(steps)}; the "
+                              f"trainer steps every parameter together")
+    moments = {fqn: {k: s[k] for k in MOMENTS} for fqn, s in optim["state"].items()}
+    return train_state(get_model_state_dict(model), moments, steps.pop() if steps else 0,
+                       torch.get_rng_state() if rng else None)
+
+
 def save_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
                      losses: list[float], *, seed: int, keep: int, layout: dict[str, Any],
-                     run: dict[str, Any] | None = None) -> str:
+                     run: dict[str, Any] | None = None, fmt: CheckpointKind = CheckpointKind.DCP) -> str:
     """Save the state after ``step`` optimizer steps as ``<root>/step-<N>``; collective.  ``run``:
-    the run's settings (``run_settings``), which a resume must match."""
+    the run's settings (``run_settings``), which a resume must match.  ``fmt``: DCP (torch's own
+    files) or safetensors-shards (the layout MindSpore reads too)."""
     _check_rng_agrees()
-    extra = {"step": step, "data_position": step, "seed": seed, "losses": list(losses), "layout": layout,
-             "run": run if run is not None else {"seed": seed}}
+    extra = train_record(step, losses, seed=seed, layout=layout, run=run)
+    if fmt == CheckpointKind.SAFETENSORS_SHARDS:
+        return save_train_shards(_shards_state(model, opt), root, step, extra, keep)
     return save_checkpoint(_state(model, opt), root, step, extra=extra, keep=keep)
 
 
@@ -165,7 +108,9 @@ def load_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimiz
                      announce: bool, run: dict[str, Any] | None = None,
                      layout: dict[str, Any] | None = None) -> tuple[int, list[float]]:
     """Load the newest complete checkpoint under ``root`` into ``model``/``opt`` and the generator
-    (any parallelism); returns ``(step, losses)``.  Raises ``CheckpointError`` on every rank when
+    (any parallelism; DCP, or safetensors-shards written by either framework: a MindSpore one
+    carries no generator state, and the trainer draws no random numbers after the weights'
+    initialization); returns ``(step, losses)``.  Raises ``CheckpointError`` on every rank when
     there is none, when it was saved by a run with other settings, or when it fails verification
     (naming the file or tensor).  ``announce``: print which checkpoint, the newer step directories
     skipped and why, and the layout changes."""
@@ -173,6 +118,8 @@ def load_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimiz
     step, path = plan.step, plan.path
     if announce:
         print(plan.announcement(), file=sys.stderr, flush=True)
+    if plan.kind == CheckpointKind.SAFETENSORS_SHARDS:
+        return step, _load_shards(root, path, step, model, opt, seed)
     state = _state(model, opt)
     # This run's own parameter names per group: a pipeline stage saved only its own, and the
     # saved lists are one rank's, so each rank names the parameters it holds (the trainer's one
@@ -183,16 +130,30 @@ def load_train_state(root: str, model: torch.nn.Module, opt: torch.optim.Optimiz
     except CheckpointError as e:
         raise CheckpointError(f"{e} (--resume: move {path} out of {root} to resume from the checkpoint "
                               f"before it, or start afresh with --overwrite)") from None
-    extra = manifest.extra
-    if extra.get("seed") != seed:
-        raise CheckpointError(
-            f"--resume: checkpoint {path} was trained with --seed {extra.get('seed')}, this run has --seed {seed}; "
-            f"the data would not continue: pass --seed {extra.get('seed')}"
-        )
-    if extra.get("data_position") != step:
-        raise CheckpointError(f"checkpoint {path}: data position {extra.get('data_position')} is not its step {step}")
+    losses = check_resumed(trainer_extra(manifest), path, step, seed)
     for group, names in zip(state["optim"]["param_groups"], own_params):
         group["params"] = names
     set_optimizer_state_dict(model, opt, state["optim"])
     torch.set_rng_state(state["rng"]["torch_cpu"])
-    return step, [float(x) for x in extra["losses"]]
+    return step, losses
+
+
+def _load_shards(root: str, path: str, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 seed: int) -> list[float]:
+    """A safetensors-shards checkpoint into the model, the optimizer's moments (in place), its
+    step counts and (when saved by torch) the generator; the losses so far."""
+    from hp_checkpoint.manifest import read_manifest
+
+    has_rng = "rng.torch_cpu" in read_manifest(path).tensors
+    state = _shards_state(model, opt, rng=has_rng)
+    manifest = load_train_shards(state, path, root)
+    losses = check_resumed(trainer_extra(manifest), path, step, seed)
+    adam_step = int(state["adam_step"])
+    for s in opt.state.values():
+        if isinstance(s.get("step"), torch.Tensor):
+            s["step"].fill_(adam_step)
+        else:
+            s["step"] = adam_step
+    if has_rng:
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+    return losses

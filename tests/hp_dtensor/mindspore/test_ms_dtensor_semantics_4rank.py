@@ -827,3 +827,45 @@ def test_initializers_on_dtensor_parameters_are_the_one_process_init(pool):
             assert kind in ("ParameterDTensor", "DTensor"), (code, name, kind)
             np.testing.assert_array_equal(full, ref[name], err_msg=f"{code} {name}")
     print(f"initializers on DTensor parameters: {cases} cases bit-equal to one process (rank 0's numpy seed)")
+
+
+TO_LOCAL_LAYOUTS = ("RR", "S0R", "RS1", "S0S1", "S1S0")
+
+
+def _parameter_to_local_cases(rank, world):
+    """``to_local`` of a DTensor Parameter and its gradient, in float32 and bfloat16, on every
+    layout of a 2x2 mesh (3 columns: uneven on the mesh dim that splits them)."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from hp_dtensor import distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    A = np.arange(12, dtype=np.float32).reshape(4, 3)
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        for code in TO_LOCAL_LAYOUTS:
+            p = ms.Parameter(distribute_tensor(Tensor(A).astype(getattr(ms, dt)), mesh, _layout(code)), name="w")
+            local = p.to_local()
+            grad = ms.grad(lambda p=p: (p.to_local().astype(ms.float32) * Tensor(3.0)).sum(), grad_position=None,
+                           weights=[p])()[0]
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            out[(dt, code)] = (type(local).__name__, str(local.dtype), local.astype(ms.float32).asnumpy(),
+                               grad.astype(ms.float32).asnumpy())
+    return out
+
+
+def test_parameter_to_local_in_bfloat16_is_float32s_shard_and_gradient(pool):
+    # MindSpore's CPU Identity kernel, which links a Parameter's local tensor to it, has no bfloat16:
+    # to_local of a bfloat16 DTensor Parameter raised
+    cases = 0
+    for out in pool.run(_parameter_to_local_cases):
+        for (dt, code), (kind, dtype, local, grad) in out.items():
+            want = out[("float32", code)]
+            assert kind == "Tensor" and dtype == {"float32": "Float32", "bfloat16": "BFloat16"}[dt], (dt, code)
+            np.testing.assert_array_equal(local, want[2], err_msg=f"{dt} {code} shard")
+            np.testing.assert_array_equal(grad, want[3], err_msg=f"{dt} {code} gradient")
+            np.testing.assert_array_equal(grad, np.full_like(local, 3.0), err_msg=f"{dt} {code} gradient value")
+            cases += 1
+    print(f"Parameter.to_local: {cases} cases (4 ranks x 2 dtypes x {len(TO_LOCAL_LAYOUTS)} layouts), bfloat16 equal "
+          f"to float32")

@@ -1,8 +1,8 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr"
 """``python -m hp_models.train --backend mindspore``: the command end to end (the scheduler and 2
-mccl worker ranks it starts, the progress bar, ``log.json`` and the summary), and every feature
-the MindSpore backend lacks refused before any rank starts with one error naming it and pointing
-to the torch backend (``check_args``: the ``NotImplementedError`` of ``check_backend`` as the
+mccl worker ranks it starts, the progress bar, ``log.json``, the summary and the checkpoints),
+and every feature the MindSpore backend lacks refused before any rank starts with one error
+naming it and pointing to the torch backend (``check_args``: the ``NotImplementedError`` of ``check_backend`` as the
 command's one ``error:`` line)."""
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ REFUSED = [
     (["--config", "tiny-moe", "--ep", "2", "--tp", "1", "--nproc", "2"], "the mixture-of-experts model"),
     (["--activation-checkpoint", "full"], "activation checkpointing (full)"),
     (["--mixed-precision", "bf16", "--tp", "1", "--dp-shard", "2"], "mixed precision (param_dtype bfloat16"),
-    (["--resume"], "checkpoints (--resume, --overwrite"),
-    (["--overwrite"], "checkpoints (--resume, --overwrite"),
+    (["--checkpoint-format", "dcp"], "DCP checkpoints (--checkpoint-format dcp"),
 ]
 
 
@@ -63,22 +62,27 @@ def test_backend_from_the_environment(monkeypatch) -> None:
 
 def test_the_command_on_two_mindspore_ranks(tmp_path) -> None:
     """tp=2 on 2 ranks for 3 steps, chosen by ``--backend`` alone: exit 0, the progress bar up to step 3, log.json with the
-    backend, 3 finite losses, the learning rates and both ranks' peak memory; no checkpoint."""
+    backend, 3 finite losses, the learning rates and both ranks' peak memory; safetensors-shards checkpoints at steps
+    2 and 3 (one file per rank)."""
     out = tmp_path / "run"
     # --backend alone selects MindSpore for the ranks (the launcher may run on either framework)
     env = {k: v for k, v in os.environ.items() if k != "HYPER_PARALLEL_PLATFORM"}
     env["GLOG_v"] = "3"
     proc = subprocess.run(
         [sys.executable, "-m", "hp_models.train", "--backend", "mindspore", "--tp", "2", "--steps", "3",
-         "--seq-len", "16", "--batch-size", "2", "--out-dir", str(out)],
+         "--seq-len", "16", "--batch-size", "2", "--checkpoint-every", "2", "--out-dir", str(out)],
         env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 3/3  loss " in proc.stderr, proc.stderr[-3000:]
     assert "trained with tp=2 on mindspore" in proc.stdout, proc.stdout
-    assert "no checkpoint (the MindSpore backend does not write them yet)" in proc.stdout
+    assert f"checkpoint (safetensors-shards) in {out / 'checkpoint'}" in proc.stdout, proc.stdout
     log = json.loads((out / "log.json").read_text())
     assert log["backend"] == "mindspore" and log["parallelism"]["tp"] == 2 and log["steps"] == 3
     assert len(log["losses"]) == 3 and all(7.0 < x < 7.3 for x in log["losses"]), log["losses"]
     assert log["learning_rates"] == [3e-3] * 3 and len(log["peak_memory_mib_per_rank"]) == 2
-    assert not (out / "checkpoint").exists()
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-00000002", "step-00000003"]
+    manifest = json.loads((out / "checkpoint" / "step-00000003" / "manifest.json").read_text())
+    assert manifest["kind"] == "safetensors-shards" and manifest["framework"] == "mindspore"
+    assert sorted(manifest["files"]) == ["shard-rank00000.safetensors", "shard-rank00001.safetensors"]
+    assert manifest["extra"]["user"]["losses"] == log["losses"] and manifest["extra"]["values"] == {"adam_step": 3}

@@ -1,8 +1,9 @@
 # mypy: disable-error-code="no-untyped-def,no-untyped-call,import-not-found,import-untyped,attr-defined,arg-type,index,operator,union-attr,call-overload"
-"""The runs the MindSpore trainer tests compare: the torch trainer on one process (which also
-writes its initial weights for the MindSpore ranks), and the MindSpore trainer
-(``hp_models.trainer.mindspore``) on the ranks of a pool or on one process; and the comparison
-itself (``check_equals_one_process_and_torch``), one job per test file."""
+"""The runs the MindSpore trainer tests compare: the torch trainer on one process or on the gloo
+ranks of a pool (which also writes its initial weights for the MindSpore ranks), and the
+MindSpore trainer (``hp_models.trainer.mindspore``) on the ranks of a pool or in one process of
+its own; and the comparison itself (``check_equals_one_process_and_torch``), one job per test
+file."""
 
 from __future__ import annotations
 
@@ -33,15 +34,26 @@ def torch_single(rank: int, world: int, args: Args, layout: TrainLayout, weights
     return train(args, layout, config, 0, distributed=False, quiet=True)
 
 
-def ms_run(rank: int, world: int, args: Args, layout: TrainLayout, weights: str, *, single: bool = False):
-    """On each MindSpore rank: the MindSpore trainer over the pool's ranks, or (``single``) on rank
-    0 alone as one process (the other ranks return None)."""
+def torch_ranks(rank: int, world: int, args: Args, layout: TrainLayout, weights: str | None = None) -> dict[str, Any]:
+    """On each torch rank of a pool: the torch trainer over the pool's gloo ranks (checkpoints as
+    ``args`` say); with ``weights``, rank 0 first writes the initial weights for MindSpore runs."""
+    from hp_models.trainer.loop import train
+    from hp_models.trainer.mindspore.weights import write_torch_initial_state
+
+    config = load_config(args)
+    if weights is not None and rank == 0:
+        write_torch_initial_state(config, args.seed, weights)
+    return train(args, layout, config, rank, distributed=world > 1, quiet=True)
+
+
+def ms_run(rank: int, world: int, args: Args, layout: TrainLayout, weights: str):
+    """On each MindSpore rank: the MindSpore trainer over the pool's ranks.  (One MindSpore
+    process runs in a process of its own, ``run_spawned_ms``: its checkpoint's collectives span
+    the whole world.)"""
     from hp_models.trainer.mindspore.loop import train_ms
 
-    if single and rank != 0:
-        return None
     assert os.environ.get("HYPER_PARALLEL_PLATFORM") == "mindspore"
-    return train_ms(args, layout, load_config(args), rank, weights, distributed=not single, quiet=True)
+    return train_ms(args, layout, load_config(args), rank, weights, distributed=True, quiet=True)
 
 
 TOL = {"rtol": 1.5e-4, "atol": 1e-5}
@@ -66,7 +78,11 @@ def check_equals_one_process_and_torch(ms_pool: Any, torch_pool: Any, name: str,
     weights = str(tmp_path / "initial.npz")
     (ref,) = torch_pool.run(torch_single, torch_args, single, weights)
     runs = ms_pool.run(ms_run, args, layout, weights)
-    (one, *_rest) = ms_pool.run(ms_run, single_args, single, weights, single=True)
+    # one MindSpore process of its own (world 1): the run saves a checkpoint at its end, whose
+    # collectives would span every rank of the pool
+    from hp_models.trainer.mindspore.spawn import run_spawned_ms
+
+    one = run_spawned_ms(single_args, single, load_config(single_args), quiet=True)
     ours = runs[0]
     for r in runs[1:]:
         assert r["losses"] == ours["losses"] and r["grad_norms"] == ours["grad_norms"]  # every rank's figures

@@ -8,7 +8,9 @@ variables ``msrun`` would set.  ``pool.run(fn, *args)`` calls ``fn(rank, world_s
 the list of results by rank.  An exception on any rank raises ``RankError`` with that rank's
 traceback; a case that outlives its timeout raises ``RankTimeout`` naming the ranks that did not
 finish, and the pool is restarted so later cases still run.  ``fn`` must be importable (a
-module-level function) because ranks are spawned.
+module-level function) because ranks are spawned: a function or arguments that cannot be pickled
+raise ``TypeError`` before anything is sent, and a result that cannot be pickled back (a tensor
+that requires grad, a lambda) raises ``RankError`` naming it, not a timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import socket
@@ -25,6 +28,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 _ctx = mp.get_context("spawn")
@@ -67,19 +71,35 @@ def _rank_main(
     except BaseException:
         results.put((-1, rank, False, traceback.format_exc()))
         return
-    results.put((-1, rank, True, None))
+    results.put((-1, rank, True, _encode(None)))
     while True:
         item = tasks.get()
         if item is None:
             break
-        case_id, fn, args, kwargs = item
+        case_id, task = item
         try:
+            fn, args, kwargs = pickle.loads(task)
             value = fn(rank, world_size, *args, **kwargs)
-            results.put((case_id, rank, True, value))
         except BaseException:
             results.put((case_id, rank, False, traceback.format_exc()))
+            continue
+        try:
+            blob = _encode(value)
+        except Exception as e:
+            results.put((case_id, rank, False, f"{getattr(fn, '__qualname__', fn)} returned a {type(value).__name__} "
+                         f"that cannot be sent back to the test process ({type(e).__name__}: {e}); return "
+                         f"picklable data: detach tensors that require grad, no lambdas or open handles"))
+            continue
+        results.put((case_id, rank, True, blob))
     plat.destroy()
     _exit_now(results)
+
+
+def _encode(value: Any) -> bytes:
+    """``value`` pickled now, where a failure can be reported as this case's error: a queue pickles
+    in a background thread, which only prints the error and drops the item, so the case would end
+    as a timeout instead."""
+    return bytes(ForkingPickler.dumps(value))
 
 
 def _exit_now(results: Any) -> None:
@@ -228,11 +248,17 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank; results by rank."""
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            task = _encode((fn, args, kwargs))
+        except Exception as e:
+            raise TypeError(f"{name} and its arguments must be picklable to reach the ranks (a module-level function, "
+                            f"plain arguments): {type(e).__name__}: {e}") from e
         self.start()
         self._case += 1
         case_id = self._case
         for q in self._tasks:
-            q.put((case_id, fn, args, kwargs))
+            q.put((case_id, task))
         limit = self.timeout if timeout is None else timeout
         got = self._collect(case_id, limit)
         failed = sorted(r for r, (ok, _) in got.items() if not ok)
@@ -240,7 +266,6 @@ class RankPool:
         if missing:
             self.close(force=True)
             self.restarts += 1
-        name = getattr(fn, "__qualname__", repr(fn))
         if failed:
             detail = "\n".join(f"--- rank {r} ---\n{got[r][1]}" for r in failed)
             extra = f" (ranks {missing} did not finish; pool restarted)" if missing else ""
@@ -249,7 +274,10 @@ class RankPool:
             raise RankTimeout(
                 f"{name} did not finish within {limit:.0f} s on ranks {missing}; the pool was restarted"
             )
-        return [got[r][1] for r in range(self.world_size)]
+        try:
+            return [pickle.loads(got[r][1]) for r in range(self.world_size)]
+        except Exception as e:
+            raise RankError(f"{name}: a rank's result cannot be read in the test process: {type(e).__name__}: {e}") from e
 
 
 def rank_pool_fixture(world_size: int, *, timeout: float = 60.0, env: dict[str, str] | None = None) -> Any:

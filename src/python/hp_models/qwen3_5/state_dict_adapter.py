@@ -60,11 +60,16 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
             else:
                 out[key] = value
         for hf, parts in fused.items():
-            cat = torch.cat([parts[p] for p in _QKV], dim=0)
+            cat = self._concat_rows([parts[p] for p in _QKV])
             out[hf] = cat.unsqueeze(1) if hf.endswith("conv1d.weight") else cat
         if self.config.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
+
+    @staticmethod
+    def _concat_rows(parts: list[Any]) -> Any:
+        """``parts`` joined along dim 0 (torch tensors; the MindSpore model's adapter joins its own)."""
+        return torch.cat(parts, dim=0)
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         hf = {_strip(k): v for k, v in hf_state_dict.items() if not k.startswith(("mtp.", "model.visual."))}
@@ -192,11 +197,17 @@ class Qwen3_5StateDictAdapter(BaseStateDictAdapter):
         and ``config.json`` into ``path``.  Collective: call on every rank.  No rank holds the
         model: each HF tensor is assembled on one writer rank only (writers balanced by bytes),
         which writes its file(s); rank 0 writes the index and config."""
-        sd = model.state_dict()
+        return self.export(model.state_dict(), path, max_shard_bytes=max_shard_bytes)
+
+    def export(self, state_dict: dict[str, Any], path: str, *, max_shard_bytes: int | None = None) -> ExportStats:
+        """``save`` of a state dict (this model's names; DTensors or whole tensors of either
+        framework): what ``save`` runs on a torch model's ``state_dict()`` and the MindSpore
+        model's export on its parameters."""
         return export_hf_safetensors(
-            sd, path, groups=self.hf_groups(list(sd)), convert=self.to_hf, max_shard_bytes=max_shard_bytes,
-            extra_json={"config.json": self.config.to_hf_dict()},
+            state_dict, path, groups=self.hf_groups(list(state_dict)), convert=self.to_hf,
+            max_shard_bytes=max_shard_bytes, extra_json={"config.json": self.config.to_hf_dict()},
         )
+
 
 def _strip(key: str) -> str:
     for p in _PREFIXES:

@@ -11,9 +11,11 @@
 - ``optimizer`` and ``lr_schedule``: AdamW and the learning rate of each step;
 - ``grad_norm``: the gradients' global norm over every mesh dim, and clipping by it;
 - ``checkpointing``: the run's settings and the checkpoint directory's checks (the state itself:
-  ``hp_models.train_checkpoint``);
+  ``hp_models.train_checkpoint`` on torch); ``resume``: which checkpoint a resume continues and
+  whether it is this run's (framework-neutral); ``shards_checkpoint``: the safetensors-shards
+  layout of the trainer's state both backends write and resume;
 - ``metrics`` and ``tensorboard``: the progress bar, the per-step metrics and their event files;
 - ``loop``: the training loop on one rank; ``spawn``: the ranks (``hp_models.launch``);
 - ``outputs``: ``log.json``, ``loss.png`` and the summary;
-- ``mindspore``: the MindSpore backend (its model, step, AdamW, loop and msrun-style ranks).
+- ``mindspore``: the MindSpore backend (its model, step, AdamW, checkpoint, loop and msrun-style ranks).
 """

@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from hp_checkpoint.manifest import CheckpointKind
 from hp_models.job import DEFAULT_GLOBAL_BATCH_SIZE
 from hp_models.trainer.backend import Backend
 from hp_models.trainer.feature_flags import add_feature_flags
@@ -46,6 +47,15 @@ class Args:
     ac_every: int | None = None
     mixed_precision: str | None = None
     backend: Backend = Backend.TORCH  # --backend, else HYPER_PARALLEL_PLATFORM
+    # --checkpoint-format; None: the backend's (DCP on torch, safetensors-shards on MindSpore)
+    checkpoint_format: CheckpointKind | None = None
+
+    @property
+    def save_format(self) -> CheckpointKind:
+        """The format this run's checkpoints are written in."""
+        if self.checkpoint_format is not None:
+            return self.checkpoint_format
+        return CheckpointKind.SAFETENSORS_SHARDS if self.backend is Backend.MINDSPORE else CheckpointKind.DCP
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Args:
@@ -101,6 +111,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--checkpoint-dir", default=None, help="default: <out-dir>/checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints (and at the end)")
     p.add_argument("--keep", type=int, default=2, help="complete checkpoints to keep (the newest ones)")
+    p.add_argument("--checkpoint-format", choices=[k.value for k in CheckpointKind], default=None,
+                   help="how checkpoints are written: dcp (torch.distributed.checkpoint; torch only) or "
+                        "safetensors-shards (one safetensors file per rank; torch and MindSpore write and resume "
+                        "each other's); default: dcp on torch, safetensors-shards on MindSpore. --resume reads "
+                        "either")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir (any parallelism)")
     p.add_argument("--overwrite", action="store_true",
@@ -111,7 +126,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                    help="also train on one process (same global batch) and report the largest loss gap")
     p.add_argument("--backend", choices=[b.value for b in Backend], default=None,
                    help="the framework that trains: torch, or mindspore (mccl CPU ranks started the way msrun "
-                        "starts them: the main job with tp, dp_shard and HSDP; no checkpoints yet); default: "
+                        "starts them: the main job with tp, dp_shard and HSDP, safetensors-shards checkpoints); default: "
                         "HYPER_PARALLEL_PLATFORM, else torch")
     add_feature_flags(p)
     ns = p.parse_args(argv)
@@ -145,4 +160,5 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         lr_decay_steps=ns.lr_decay_steps, lr_min=ns.lr_min, max_grad_norm=ns.max_grad_norm,
         activation_checkpoint=ns.activation_checkpoint, ac_every=ns.ac_every, mixed_precision=ns.mixed_precision,
         backend=backend,
+        checkpoint_format=CheckpointKind(ns.checkpoint_format) if ns.checkpoint_format is not None else None,
     )

@@ -3,7 +3,8 @@ the MindSpore backend refuses before any rank starts.
 
 The MindSpore backend (``hp_models.trainer.mindspore``) runs the main job: the dense model with
 tensor parallelism, FSDP and HSDP (``dp_shard``, ``dp_replicate``), gradient accumulation, the
-learning-rate schedule, gradient clipping, the metrics and outputs.  A job asking for a feature
+learning-rate schedule, gradient clipping, the metrics and outputs, and checkpoints in the
+safetensors-shards format (which torch writes and reads too).  A job asking for a feature
 only the torch backend has yet is refused with one ``NotImplementedError`` naming every such
 feature and saying to use the torch backend.  Pure: no framework is imported.
 """
@@ -14,6 +15,7 @@ import importlib.util
 import os
 from enum import Enum
 
+from hp_checkpoint.manifest import CheckpointKind
 from hp_cp.config import MaskCompression
 from hp_models.job import TrainLayout
 from hp_protocols import ActivationCheckpointMode, FloatDType
@@ -45,11 +47,13 @@ def launcher_world(backend: Backend) -> tuple[str | None, str]:
     return os.environ.get("WORLD_SIZE"), "WORLD_SIZE"
 
 
-def mindspore_gaps(layout: TrainLayout, *, resume: bool, overwrite: bool, torchrun: bool) -> list[str]:
+def mindspore_gaps(layout: TrainLayout, *, checkpoint_format: CheckpointKind | None, torchrun: bool) -> list[str]:
     """The features this job asks for that the MindSpore backend does not have yet."""
     gaps = []
-    if resume or overwrite:
-        gaps.append("checkpoints (--resume, --overwrite; the MindSpore backend writes none yet)")
+    if checkpoint_format is CheckpointKind.DCP:
+        # DCP is torch.distributed.checkpoint's own file format and planner, which MindSpore lacks
+        gaps.append("DCP checkpoints (--checkpoint-format dcp, torch.distributed.checkpoint's files; drop the flag: "
+                    "MindSpore writes and resumes safetensors-shards checkpoints, which torch resumes too)")
     if layout.pp > 1:
         gaps.append(f"pipeline parallelism (pipeline_parallel={layout.pp})")
     if layout.cp > 1:
@@ -70,13 +74,13 @@ def mindspore_gaps(layout: TrainLayout, *, resume: bool, overwrite: bool, torchr
     return gaps
 
 
-def check_backend(backend: Backend, layout: TrainLayout, *, resume: bool, overwrite: bool) -> None:
+def check_backend(backend: Backend, layout: TrainLayout, *, checkpoint_format: CheckpointKind | None = None) -> None:
     """``NotImplementedError`` naming every feature of the job the MindSpore backend lacks (use the
     torch backend for them)."""
     if backend is not Backend.MINDSPORE:
         return
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MS_ROLE" not in os.environ
-    gaps = mindspore_gaps(layout, resume=resume, overwrite=overwrite, torchrun=torchrun)
+    gaps = mindspore_gaps(layout, checkpoint_format=checkpoint_format, torchrun=torchrun)
     if gaps:
         raise NotImplementedError(f"the MindSpore backend does not support {'; '.join(gaps)} yet: "
                                   f"use --backend torch for it")

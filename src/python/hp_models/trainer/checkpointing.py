@@ -1,6 +1,7 @@
 """The trainer's side of checkpoints: the settings that make a run (a resume must share them)
 and the checks of the checkpoint directory before any rank starts.  The saved state itself is
-``hp_models.train_checkpoint``'s."""
+``hp_models.train_checkpoint``'s on torch and ``hp_models.trainer.mindspore.checkpoint``'s on
+MindSpore (``hp_models.trainer.shards_checkpoint``: the layout both share)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hp_models.trainer.lr_schedule import LRSchedule
 
 def run_settings(args: Args, config: Any, layout: TrainLayout) -> dict[str, Any]:
     """What a resumed run must share with the run that saved its checkpoint."""
-    from hp_models.train_checkpoint import run_settings as settings
+    from hp_models.trainer.resume import run_settings as settings
 
     optim = layout.optim
     schedule = LRSchedule.of(optim.lr, optim, args.steps)
@@ -30,12 +31,19 @@ def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
     """Before any rank starts: the checkpoint directory is one (not a file); a fresh run does not
     write into another run's checkpoints (it would prune its own saves as older than theirs, and a
     later ``--resume`` would continue theirs), unless ``--overwrite``; ``--resume`` continues a
-    checkpoint of this same run with steps left to train."""
-    from hp_checkpoint.manifest import checkpoint_entries, complete_checkpoints
+    checkpoint of this same run with steps left to train, in a format this backend reads (MindSpore
+    reads safetensors-shards, not torch's DCP files); a pipeline-parallel run saves DCP only."""
+    from hp_checkpoint.manifest import CheckpointKind, checkpoint_entries, complete_checkpoints
     from hp_dtensor.layout.shard_boxes import CheckpointError
-    from hp_models.train_checkpoint import resume_plan
+    from hp_models.trainer.backend import Backend
+    from hp_models.trainer.resume import resume_plan
 
     root = args.checkpoint_dir
+    if layout.pp > 1 and args.save_format == CheckpointKind.SAFETENSORS_SHARDS:
+        # its save writes one tensor list for the whole job; a pipeline stage holds its own layers only
+        sys.exit(f"error: --checkpoint-format safetensors-shards with pipeline_parallel={layout.pp}: that format "
+                 f"needs every rank to hold every tensor (its own boxes of it), and a pipeline stage holds only its "
+                 f"own layers; use --checkpoint-format dcp (the torch default) with pipeline parallelism")
     if os.path.exists(root) and not os.path.isdir(root):
         sys.exit(f"error: --checkpoint-dir {root} is a file, not a directory; pass a directory (it is created "
                  f"if missing) or move the file away")
@@ -47,6 +55,11 @@ def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
         if found.step >= args.steps:
             sys.exit(f"error: --resume from {found.path} (step {found.step}) but --steps {args.steps}: nothing "
                      f"left to train; pass a larger --steps (the total, counting the steps already done)")
+        if args.backend is Backend.MINDSPORE and found.kind != CheckpointKind.SAFETENSORS_SHARDS:
+            sys.exit(f"error: --resume from {found.path}: a {found.kind} checkpoint (written by {found.framework}); "
+                     f"the MindSpore backend resumes safetensors-shards checkpoints only (DCP is "
+                     f"torch.distributed.checkpoint's format). Resume it with --backend torch, and pass "
+                     f"--checkpoint-format safetensors-shards there to write checkpoints MindSpore can resume")
         return
     steps = [os.path.basename(p) for p in checkpoint_entries(root) if os.path.basename(p).startswith("step-")]
     if steps and not args.overwrite:

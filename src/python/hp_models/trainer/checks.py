@@ -8,7 +8,7 @@ from typing import Any
 
 from hp_models.job import ModelSizes, Overrides, TrainLayout, plan, read_job, read_job_file
 from hp_models.trainer.args import Args
-from hp_models.trainer.backend import Backend, check_backend, launcher_world, missing_framework
+from hp_models.trainer.backend import check_backend, launcher_world, missing_framework
 from hp_models.trainer.checkpointing import check_checkpoint_dir
 from hp_models.trainer.feature_flags import feature_overrides
 from hp_models.trainer.lr_schedule import LRSchedule
@@ -62,7 +62,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         config = load_config(args, raw)
         layout = plan(raw, overrides(args), model_sizes(config), world)
         # first: a torch-only feature is named as the trainer's, before a package's own platform check
-        check_backend(args.backend, layout, resume=args.resume, overwrite=args.overwrite)
+        check_backend(args.backend, layout, checkpoint_format=args.checkpoint_format)
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
         check_model(config, layout, args.seq_len)
@@ -74,8 +74,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
     missing = missing_framework(args.backend)
     if missing is not None:
         sys.exit(f"error: {missing}")
-    if args.backend is Backend.TORCH:  # (the MindSpore backend writes no checkpoints yet)
-        check_checkpoint_dir(args, config, layout)
+    check_checkpoint_dir(args, config, layout)
     if job is not None:
         job.announce()  # the sections and keys of a MindFormers file this trainer does not read
     return config, layout

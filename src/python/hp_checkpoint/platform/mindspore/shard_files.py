@@ -86,14 +86,22 @@ def _read_bf16(file: _ShardFile, key: str, start: Sequence[int], stop: Sequence[
     return _from_bf16_bits(np.ascontiguousarray(bits[(slice(None), *box)] if shape else bits))
 
 
+# safetensors' own writer lays tensors out by dtype (this order, last first), then by name
+_LAYOUT_ORDER = ("BOOL", "U8", "I8", "I16", "F16", BF16, "I32", "F32", "F64", "I64")
+
+
 class _MsShardFiles:
     @staticmethod
     def write(tensors: Mapping[str, Any], path: str) -> None:
-        header: dict[str, Any] = {"__metadata__": {"format": "np"}}
+        """The file safetensors' torch writer makes of the same tensors, byte for byte: the same
+        header (``{"format": "pt"}``, which Hugging Face loaders look for) and tensor order."""
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        encoded = {key: _bytes_of(t) for key, t in tensors.items()}
+        order = sorted(encoded, key=lambda k: (-_LAYOUT_ORDER.index(encoded[k][0]), k))
         arrays = []
         offset = 0
-        for key, t in tensors.items():
-            code, array = _bytes_of(t)
+        for key in order:
+            code, array = encoded[key]
             header[key] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
             arrays.append(array)
             offset += array.nbytes

@@ -1,7 +1,15 @@
 """Box transfer primitives of MindSpore (``TransferPrimitives``).
 
-mccl on CPU has no point-to-point, so ``send``/``recv`` (gathering a tensor onto one rank) are
-refused.  The rank, world size, object gather (the collectives module's, on the world group), spec
+mccl (MindSpore's CPU collectives) has no point-to-point send or receive, so a box moves by a
+broadcast from its holder inside the group of just the two ranks: the holder and the writer.  No
+third rank takes part or holds any of the box, which keeps an export's "whole only on its writer"
+bound.  The pair's group is created on demand by its two ranks (mccl creates a group on its members
+only; other ranks never call it), at the pair's first transfer: every rank walks the transfers in
+the same planned order, so both ends reach the creation together.  The broadcast is the collectives
+module's, bit for bit for every dtype: on a world of two the pair is the world group (float32
+native, other dtypes as the int32 words of their bytes); on a larger world a subgroup broadcast is
+an all-reduce of the holder's values with ``-0.0`` (float32/float16, the box's bytes) or of one
+float16 per byte (other dtypes, twice the box's bytes).  The rank, world size, object gather, spec
 and shape are the neutral ``TransferBase``.  dtype names are the framework-neutral lowercase names
 torch uses too.
 """
@@ -16,6 +24,7 @@ import numpy as np
 from mindspore import Tensor
 
 from hp_checkpoint.gather_to_rank import TransferBase
+from hp_dtensor.platform import current
 from hp_dtensor.platform.mindspore.collectives import _plain
 
 _DTYPES: dict[str, Any] = {
@@ -71,14 +80,30 @@ class _MsTransfer(TransferBase):
         target[index] = piece.astype(target.dtype)
 
     @staticmethod
-    def send(t: Any, dst: int) -> None:
-        raise NotImplementedError("gathering a tensor onto one rank needs point-to-point sends, which MindSpore's "
-                                  "CPU collectives (mccl) lack; export on the torch backend")
+    def move_box(piece: Any, shape: Sequence[int], name: str, src: int, dst: int) -> Tensor | None:
+        """A broadcast from ``src`` in the group of ``src`` and ``dst`` (both call it, no other rank)."""
+        if src == dst:
+            raise ValueError(f"move_box: a box moves between two ranks, got src == dst == {src}")
+        plat = current()
+        pair = (min(src, dst), max(src, dst))
+        group = plat.get_or_create_group(pair)
+        me = plat.get_rank()
+        if me not in pair:
+            raise ValueError(f"move_box: rank {me} is neither end of the transfer {src} -> {dst}")
+        if me == src:
+            if piece is None:
+                raise ValueError(f"move_box: rank {src} sends but passed no piece")
+            plat.COLLECTIVES.broadcast(_plain(piece), pair.index(src), group, 2, pair.index(me), src)
+            return None
+        out = plat.COLLECTIVES.broadcast(_receive_buffer(shape, name), pair.index(src), group, 2, pair.index(me), src)
+        return out  # type: ignore[no-any-return]
 
-    @staticmethod
-    def recv(shape: Sequence[int], name: str, src: int) -> Tensor:
-        raise NotImplementedError("gathering a tensor onto one rank needs point-to-point receives, which "
-                                  "MindSpore's CPU collectives (mccl) lack; export on the torch backend")
+
+def _receive_buffer(shape: Sequence[int], name: str) -> Tensor:
+    """What the receiving end passes to the broadcast (its values are not used)."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
+    return Tensor(np.zeros(tuple(shape), np.float32)).astype(_DTYPES[name])
 
 
 TRANSFER = _MsTransfer()

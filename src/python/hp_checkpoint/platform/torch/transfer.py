@@ -1,4 +1,4 @@
-"""Point-to-point box transfer primitives of torch (``TransferPrimitives``).
+"""Box transfer primitives of torch (``TransferPrimitives``): boxes move point to point.
 
 Sends and receives (issued by the collectives module) go over the default (world) process group
 with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
@@ -61,11 +61,11 @@ class _TorchTransfer(TransferBase):
             buf[index].copy_(piece)
 
     @staticmethod
-    def send(t: torch.Tensor, dst: int) -> None:
-        C.send(t, dst)
-
-    @staticmethod
-    def recv(shape: Sequence[int], name: str, src: int) -> torch.Tensor:
+    def move_box(piece: torch.Tensor | None, shape: Sequence[int], name: str, src: int, dst: int) -> torch.Tensor | None:
+        """Point to point: ``src`` sends, ``dst`` receives into a new tensor."""
+        if piece is not None:
+            C.send(piece, dst)
+            return None
         return C.recv(torch.empty(tuple(shape), dtype=to_dtype(name)), src)
 
 

@@ -160,7 +160,9 @@ class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
             # the parameter's gradient would silently be zero.  One native identity op keeps the
             # link (fallback off: it runs on this rank's data, not through DTensor dispatch).
             with NoFallbackGuard():
-                local = _IDENTITY(self)
+                # (the Identity primitive has no bfloat16 kernel on CPU; a reshape to the same
+                # shape is the same link, and also returns a plain Tensor)
+                local = _IDENTITY(self) if self.dtype != ms.bfloat16 else ops.reshape(self, self._spec.local_shape())
         else:
             local = Tensor._make_subclass(Tensor, self)
         # The caller's gradient for a plain tensor is whole on every rank.

@@ -1,11 +1,15 @@
-"""Load a HF ``qwen3_5`` safetensors checkpoint into the MindSpore model through the torch
-model's ``Qwen3_5StateDictAdapter`` (the key layout is the same, so one HF file serves both)."""
+"""A HF ``qwen3_5`` safetensors checkpoint into and out of the MindSpore model through the torch
+model's ``Qwen3_5StateDictAdapter`` (the key layout is the same, so one HF file serves both): a
+whole-file load on one process, and the sharded export every rank of a parallel model joins."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from mindspore import mint
+
+from hp_checkpoint.hf_export import ExportStats
 from hp_dtensor.platform import current
 from hp_models.qwen3_5.config import Qwen3_5Config
 from hp_models.qwen3_5.mindspore.model import Qwen3_5ForCausalLM
@@ -52,3 +56,23 @@ def load_hf_weights(model: Qwen3_5ForCausalLM, path: str) -> list[str]:
     for key, param in state.items():
         param.set_data(loaded[key])
     return list(state)
+
+
+class Qwen3_5MsStateDictAdapter(Qwen3_5StateDictAdapter):
+    """The torch model's adapter (names, fusions, groups) joining MindSpore tensors."""
+
+    @staticmethod
+    def _concat_rows(parts: list[Any]) -> Any:
+        return mint.cat(parts, 0)
+
+
+def save_hf_weights(model: Qwen3_5ForCausalLM, path: str, *, max_shard_bytes: int | None = None) -> ExportStats:
+    """Write the model as HF ``model-0000k-of-0000n.safetensors`` shards with
+    ``model.safetensors.index.json`` and ``config.json`` into ``path``: the files the torch model's
+    ``Qwen3_5StateDictAdapter.save`` writes for the same weights.  Collective: every rank of a
+    tensor-parallel or ``fully_shard``-ed model calls it (a one-process model alone).  Each HF
+    tensor is built whole on its writer rank only, from the shards moved to it; a rank failing a
+    conversion or a write raises ``RuntimeError`` on every rank and no index is written."""
+    config: Qwen3_5Config = model.config  # type: ignore[assignment]
+    return Qwen3_5MsStateDictAdapter(config).export(current().state_dict(model), path,
+                                                    max_shard_bytes=max_shard_bytes)

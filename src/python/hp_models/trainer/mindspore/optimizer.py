@@ -45,9 +45,7 @@ class AdamW:
 
         if len(grads) != len(self.params):
             raise ValueError(f"AdamW.step got {len(grads)} gradients for {len(self.params)} parameters")
-        if not self.m:
-            self.m = [ops.zeros_like(_local(p)) for p in self.params]
-            self.v = [ops.zeros_like(_local(p)) for p in self.params]
+        self.init_state()
         self.t += 1
         b1, b2 = self.betas
         step_size = self.lr / (1 - b1**self.t)
@@ -61,6 +59,15 @@ class AdamW:
             self.m[i], self.v[i] = m, v
             new = data - m / (ops.sqrt(v) / c2_sqrt + self.eps) * step_size
             ms.Parameter.set_data(p, new)  # the local shard (a DTensor keeps its layout)
+
+    def init_state(self) -> None:
+        """The moments as the first step starts them (zeros like each local shard), where missing:
+        a checkpoint saves them, or loads into them."""
+        from mindspore import ops
+
+        if not self.m:
+            self.m = [ops.zeros_like(_local(p)) for p in self.params]
+            self.v = [ops.zeros_like(_local(p)) for p in self.params]
 
     def state_bytes(self) -> int:
         return sum(int(t.nbytes) for t in self.m + self.v)
