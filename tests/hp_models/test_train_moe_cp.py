@@ -3,8 +3,8 @@
 dp_shard=2 with ep=2 (colossal) and ep=4 (experts spread over the CP and data-parallel ranks),
 ulysses cp=4 with ep=2 and hybrid cp=4 (ulysses 2) with ep=4, report the losses of the same run on one process (the trainer's
 ``--compare-single`` reference: the router loss of each forward's whole sequences) and the same
-tokens per expert in every layer and step.  What MoE + CP cannot run (with TP, on packed
-documents) is refused before any rank starts."""
+tokens per expert in every layer and step.  What MoE + CP cannot run (packed documents, also
+with TP) is refused before any rank starts; MoE + CP + TP is ``test_train_moe_cp_tp``."""
 
 from __future__ import annotations
 
@@ -93,15 +93,15 @@ PACKED = {"train_dataset": {"dataloader": {"config": {"create_compressed_eod_mas
 
 
 @pytest.mark.parametrize("parallelism,extra,words", [
-    ({"context_parallel": 2, "tensor_parallel": 2}, CAUSAL,
-     ["context_parallel=2 with tensor_parallel=2", "needs sequence parallelism", "tensor_parallel: 1"]),
     ({"context_parallel": 2, "data_parallel_shard": 2}, PACKED,
+     ["packed documents", "with context_parallel=2", "not built for the MoE model", "use_attn_mask_compression"]),
+    ({"context_parallel": 2, "tensor_parallel": 2}, PACKED,
      ["packed documents", "with context_parallel=2", "not built for the MoE model", "use_attn_mask_compression"]),
     # without CP too: the MoE step used to train the packed rows whole, across document ends
     ({"data_parallel_shard": 2}, PACKED,
      ["packed documents (create_compressed_eod_mask: true) are not built for the MoE model", "cross document ends",
       "create_compressed_eod_mask: false"]),
-], ids=["with-tp", "packed-documents", "packed-documents-no-cp"])
+], ids=["packed-documents", "packed-documents-with-tp", "packed-documents-no-cp"])
 def test_bad_moe_cp_job_fails_before_any_rank_starts(parallelism, extra, words, tmp_path) -> None:
     job = _job(tmp_path, parallelism, **extra)
     with pytest.raises(SystemExit) as info:

@@ -369,6 +369,13 @@ def plan(
             f"attention would cross document ends; train it on ordinary sequences (create_compressed_eod_mask: "
             f"false, and model.use_attn_mask_compression: true under context parallelism)"
         )
+    if moe is not None and dims.pp > 1 and layout.param_dtype is not FloatDType.FLOAT32:
+        # the stages pass the router's token counts on with the hidden states, in their dtype
+        raise ValueError(
+            f"pipeline_parallel={dims.pp} with param_dtype {layout.param_dtype.value}: the MoE model's stages send "
+            f"the router's token counts with the hidden states, exact in float32 only; train the MoE model under "
+            f"pipeline parallelism in float32 (drop --mixed-precision / param_dtype)"
+        )
     return layout
 
 

@@ -4,11 +4,9 @@ Pure (no framework).  ``hp_protocols``' ``JobConfig.resolve`` already checks the
 config's own rules (``expert_parallel`` dividing ``dp_shard * cp * tp``, the deredundancy
 dispatcher needing ``expert_parallel`` to be a whole number of ``npu_nums_per_device`` nodes); on
 top of them this module refuses, before any rank starts, what the trainer cannot run with the
-model actually built: expert parallelism on a dense model, an expert count the ep size does not
-divide, and the combinations of a mixture-of-experts model with parallelism the MoE path does not
-build yet (pipeline parallelism; context parallelism together with tensor parallelism).  Packed
-documents, which the MoE step cannot keep apart, are refused where the data settings are known
-(``hp_models.job``).
+model actually built: expert parallelism on a dense model and an expert count the ep size does
+not divide.  Packed documents, which the MoE step cannot keep apart, are refused where the data
+settings are known (``hp_models.job``), as is the MoE model under pipeline parallelism in bf16.
 """
 
 from __future__ import annotations
@@ -59,18 +57,6 @@ def check_moe_job(p: ParallelismConfig, dims: ParallelDims, num_experts: int | N
         )
     # (resolve() checked the name and, for deredundancy, that ep is a whole number of nodes)
     dispatcher = TokenDispatcher.from_name(p.moe_token_dispatcher_type)
-    if dims.pp > 1:
-        raise ValueError(
-            f"pipeline_parallel={dims.pp}: pipeline parallelism of the MoE model is not built in this trainer yet; "
-            f"set pipeline_parallel: 1"
-        )
-    if dims.cp > 1 and dims.tp > 1:
-        # the MoE blocks run on each TP rank's sequence shard (sequence parallelism), which CP turns off
-        raise ValueError(
-            f"context_parallel={dims.cp} with tensor_parallel={dims.tp}: the MoE model's tensor-parallel plan needs "
-            f"sequence parallelism, which context parallelism replaces, and is not built without it; set "
-            f"tensor_parallel: 1 (or context_parallel: 1)"
-        )
     etp = dims.etp if dispatcher is TokenDispatcher.ALLTOALL else 1
     return MoeSettings(num_experts=num_experts, ep=dims.ep, efsdp=dims.efsdp, dispatcher=dispatcher,
                        npu_nums_per_device=p.npu_nums_per_device, etp=etp)

@@ -13,14 +13,19 @@ Under TP the logits stay split over the vocab (loss parallel).  The loss of each
 the next-token cross entropy plus ``router_aux_loss_coef`` times the router's load-balancing
 loss over that forward's tokens (all of its tensor-parallel group's).
 
-Under context parallelism (``context_parallel`` > 1, without TP: the MoE plan needs sequence
-parallelism, which CP replaces) the model is parallelized in the same order as the dense one, EP,
-then CP (``parallelize_qwen3_5_cp``), then activation checkpointing, then FSDP over ``dp_shard *
-cp``: each rank runs its share of every sequence, dispatches its own tokens to the experts of its
-ep group (which may span CP ranks: ``efsdp = dp_shard * cp * tp // ep``), the cross entropy is
-reduced over the CP group with the whole sequence's token count, and the router's load-balancing
-statistics are summed over the CP group (the blocks' ``token_mesh``), so each forward's loss is
-that of its whole sequences.
+Under context parallelism (``context_parallel`` > 1) the model is parallelized in the same order
+as the dense one, TP and EP, then CP (``parallelize_qwen3_5_cp``), then activation checkpointing,
+then FSDP over ``dp_shard * cp``: each rank runs its share of every sequence, dispatches its own
+tokens to the experts of its ep group (which may span CP ranks: ``efsdp = dp_shard * cp * tp //
+ep``), the cross entropy is reduced over the CP group with the whole sequence's token count, and
+the router's load-balancing statistics are summed over the CP group (the blocks' ``token_mesh``),
+so each forward's loss is that of its whole sequences.  With TP as well, TP runs without sequence
+parallelism and the logits stay whole over the vocab, as for the dense model under CP; each MoE
+block still runs on its TP rank's share of the CP rank's tokens (cut at entry, gathered at exit),
+so the router's statistics are summed over the CP and TP ranks together.
+
+Under pipeline parallelism (``pipeline_parallel`` > 1, also with CP) the stages are built and
+parallelized by ``hp_models.train_moe_pipeline`` on the same meshes (``moe_meshes``).
 
 Every step the routed token copies per expert and layer are summed over the ranks; the summary
 prints their balance (fewest and most per expert, per step and over the run).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,12 +73,21 @@ def config_from_file(path: str) -> Qwen3_5Config:
     return Qwen3_5Config.from_json_file(path)  # (which names the file when it is missing)
 
 
-def check_model(config: Qwen3_5Config, layout: TrainLayout) -> None:
-    """``ValueError`` for a tensor-parallel size the MoE model's shared expert cannot split."""
+def check_model(config: Qwen3_5Config, layout: TrainLayout, seq_len: int) -> None:
+    """``ValueError`` for a tensor-parallel size the MoE model's shared expert cannot split, and,
+    under context and tensor parallelism, for a sequence length whose CP shards the TP ranks
+    cannot split (each MoE block runs on its TP rank's share of the CP rank's tokens)."""
     if isinstance(config, Qwen3_5MoeConfig):
         from hp_models.qwen3_5_moe.parallelize import check_moe_tp_size
 
         check_moe_tp_size(config, layout.tp)
+        cp, tp = layout.cp, layout.tp
+        if cp > 1 and tp > 1 and seq_len % (cp * tp):
+            raise ValueError(
+                f"--seq-len {seq_len} over context_parallel {cp} and tensor_parallel {tp}: each MoE block splits a "
+                f"CP rank's {seq_len / cp:g} tokens over the {tp} TP ranks; use a --seq-len that is a multiple of "
+                f"{cp * tp}"
+            )
 
 
 # ---------------------------------------------------------------- the balance of the experts
@@ -87,7 +102,11 @@ class ExpertLoad:
 
     def add_forward(self, blocks: list[Any]) -> None:
         """Add this rank's counts of the forward just run."""
-        counts = torch.stack([b.tokens_per_expert.to(torch.float64) for b in blocks])
+        self.add_counts(torch.stack([b.tokens_per_expert for b in blocks]))
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """Add this rank's counts per (layer, expert), a ``(layers, experts)`` tensor."""
+        counts = counts.detach().to(torch.float64)
         self._step = counts if self._step is None else self._step + counts
 
     def end_step(self, local_loss: float, world_size: int) -> float:
@@ -134,6 +153,39 @@ def describe_load(load: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- one rank
+@dataclass(frozen=True)
+class MoeMeshes:
+    """This rank's meshes of a MoE run: the dense mesh ``[pp, dp_replicate, fsdp, tp]``, the
+    experts' ``ep`` and ``etp`` dims (None when 1 rank, or not split) and the mesh the experts
+    are fully sharded over (``efsdp``, or ``edp`` under ``etp``; with ``dp_replicate`` as HSDP)."""
+
+    dense: DeviceMesh
+    ep: DeviceMesh | None
+    etp: DeviceMesh | None
+    expert_dp: DeviceMesh
+
+
+def moe_meshes(layout: TrainLayout) -> MoeMeshes:
+    """The ``MoeMeshes`` of ``layout`` (every rank builds them, in the same order)."""
+    from hp_dtensor import init_device_mesh
+
+    dims = layout.dims
+    moe = layout.moe
+    assert moe is not None
+    dense, sparse = dims.build_mesh("cpu")
+    if moe.etp > 1:
+        # ep <= tp: the experts keep a TP split over the etp ranks (the TP ranks sharing an ep
+        # coordinate) and are fully sharded over what is left of efsdp, edp.
+        experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
+                                   mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
+        return MoeMeshes(dense, experts["ep"], experts["etp"],
+                         experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else experts["edp"])
+    if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
+        sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return MoeMeshes(dense, sparse["ep"] if dims.ep > 1 else None, None,
+                     sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"])
+
+
 def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
                     distributed: bool) -> tuple[Any, int]:
     """The seeded MoE model, with TP on the dense mesh, EP on the sparse mesh (and, with
@@ -148,35 +200,31 @@ def build_moe_model(seed: int, layout: TrainLayout, config: Qwen3_5MoeConfig, *,
     if not distributed:
         checkpoint_model_blocks(model, layout)
         return model, 0
-    from hp_dtensor import init_device_mesh
     from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
     from hp_models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
 
     dims = layout.dims
     moe = layout.moe
     assert moe is not None
-    dense, sparse = dims.build_mesh("cpu")
-    ep_mesh: DeviceMesh | None
-    etp_mesh: DeviceMesh | None
-    if moe.etp > 1:
-        # ep <= tp: the experts keep a TP split over the etp ranks (the TP ranks sharing an ep
-        # coordinate) and are fully sharded over what is left of efsdp, edp.
-        experts = init_device_mesh("cpu", dims.expert_mesh_shape(),
-                                   mesh_dim_names=("pp", "dp_replicate", "edp", "etp", "ep"))
-        ep_mesh, etp_mesh = experts["ep"], experts["etp"]
-        expert_dp = experts["dp_replicate", "edp"] if dims.dp_replicate > 1 else experts["edp"]
-    else:
-        if sparse is None:  # ep == 1: the experts are still summed and sharded over efsdp = dp_shard * tp
-            sparse = init_device_mesh("cpu", dims.sparse_mesh_shape(),
-                                      mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-        ep_mesh, etp_mesh = (sparse["ep"] if dims.ep > 1 else None), None
-        expert_dp = sparse["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else sparse["efsdp"]
+    meshes = moe_meshes(layout)
+    if layout.split is not None:
+        from hp_models.train_moe_pipeline import MoePipelinedModel
+
+        pipelined = MoePipelinedModel(model, layout, meshes)
+        return pipelined, pipelined.dp_rank
+    dense, ep_mesh, etp_mesh, expert_dp = meshes.dense, meshes.ep, meshes.etp, meshes.expert_dp
     coord = dense.get_coordinate()
     assert coord is not None
-    # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer.
-    parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh, etp_mesh=etp_mesh,
-                            loss_parallel=dims.tp > 1, dispatcher=moe.dispatcher,
-                            npu_nums_per_device=moe.npu_nums_per_device)
+    # Under TP the logits stay split over the vocab (loss parallel), as in the dense trainer; under
+    # CP they stay whole (the CP loss reduces over the CP ranks itself) and sequence parallelism,
+    # on with TP, is ignored with a warning, shown by rank 0 only.
+    with warnings.catch_warnings():
+        if dense.get_rank() != 0:
+            warnings.simplefilter("ignore", UserWarning)
+        parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"] if dims.tp > 1 else None, ep_mesh=ep_mesh,
+                                etp_mesh=etp_mesh, loss_parallel=dims.tp > 1 and dims.cp == 1,
+                                context_parallel=dims.cp, dispatcher=moe.dispatcher,
+                                npu_nums_per_device=moe.npu_nums_per_device)
     if dims.cp > 1:
         _context_parallel(model, layout)
     # after TP, EP and CP (their collectives, the token all-to-alls included, rerun in the
@@ -209,10 +257,11 @@ def _context_parallel(model: Any, layout: TrainLayout) -> None:
     split, cp_dims = context_mesh(layout)
     cp = ContextParallel(split[cp_dims], layout.context)
     parallelize_qwen3_5_cp(model, cp)
-    # the router's statistics are summed over the whole CP group: one dim (hybrid's two flattened)
-    tokens = split["cp"] if cp_dims == ("cp",) else init_device_mesh(
-        "cpu", (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))["cp"]
+    # the router's statistics are summed over the whole CP group (hybrid's two dims as one) and,
+    # under TP, its TP ranks, each of which routes its share of the CP rank's tokens
+    whole = init_device_mesh("cpu", (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+    tokens = whole["cp", "tp"] if d.tp > 1 else whole["cp"]
     for block in model.moe_blocks():
         block.token_mesh = tokens
     object.__setattr__(model, "context_parallel", cp)

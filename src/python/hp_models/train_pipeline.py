@@ -19,10 +19,14 @@ microbatch's sequence is split over them, the stages exchange each CP rank's sha
 states, the stages' layers read each microbatch's sequence facts (length, document ends of
 packed data) from a ``MicrobatchFacts``, the last stage's loss is reduced over the CP group with
 the whole sequence's token count, and FSDP shards over ``dp_shard * cp``.
+
+The MoE model's stages are built by ``hp_models.train_moe_pipeline`` and handed in; its subclass
+adds the router's load-balancing loss to each microbatch's objective (``_objective``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +45,7 @@ from hp_models.qwen3_5.pipeline import pipeline_qwen3_5
 from hp_models.qwen3_5.pipeline_cp import MicrobatchFacts
 from hp_models.synthetic import eod_token
 from hp_models.train_context import context_mesh, packed
-from hp_pp import PipelineSchedule, Schedule1F1B, ScheduleInterleaved1F1B
+from hp_pp import PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from hp_tp import loss_parallel
 
 
@@ -49,8 +53,15 @@ class _Part(nn.Module):
     """A node of the whole model's tree holding this rank's parts."""
 
 
+StageBuilder = Callable[[ContextParallel | None, MicrobatchFacts | None], list[PipelineStage]]
+
+
 class PipelinedModel(nn.Module):
-    def __init__(self, model: Any, layout: TrainLayout, mesh: DeviceMesh) -> None:
+    """``build``: builds and parallelizes this rank's stages, given the CP group and the
+    microbatch facts under context parallelism (the MoE model's, ``hp_models.train_moe_pipeline``);
+    None: the dense model's, built here."""
+
+    def __init__(self, model: Any, layout: TrainLayout, mesh: DeviceMesh, build: StageBuilder | None = None) -> None:
         super().__init__()
         split = layout.split
         assert split is not None
@@ -69,13 +80,16 @@ class PipelinedModel(nn.Module):
             cp_coord = cp_split.get_coordinate()
             assert cp_coord is not None
             self.dp_rank = cp_coord[1] * dims.dp_shard + cp_coord[2]
-        stages = pipeline_qwen3_5(
-            model, split, mesh, reshard_after_forward=dims.reshard_after_forward,
-            sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload, mp_policy=fsdp_policy(layout),
-            cp=self.cp, facts=self._facts,
-            # the stage's layers keep their index in the whole model: the job's choice of layers holds
-            before_fsdp=lambda stage: checkpoint_model_blocks(stage, layout),
-        )
+        if build is not None:
+            stages = build(self.cp, self._facts)
+        else:
+            stages = pipeline_qwen3_5(
+                model, split, mesh, reshard_after_forward=dims.reshard_after_forward,
+                sum_gradients=layout.sum_gradients, cpu_offload=layout.cpu_offload, mp_policy=fsdp_policy(layout),
+                cp=self.cp, facts=self._facts,
+                # the stage's layers keep their index in the whole model: the job's choice of layers holds
+                before_fsdp=lambda stage: checkpoint_model_blocks(stage, layout),
+            )
         if self.cp is not None and layout.uses_fsdp and not layout.sum_gradients:
             # average over the data-parallel ranks only: each CP rank holds a share of one gradient
             for s in stages:
@@ -110,9 +124,16 @@ class PipelinedModel(nn.Module):
         self.model = body
 
     def _loss(self, logits: Any, target: Any) -> Any:
-        """Cross entropy of one microbatch (vocab-parallel under TP; in float32 under mixed precision,
-        as without pipelining), recorded for the report, then scaled by ``1 / dp`` when the
-        data-parallel gradients are summed rather than averaged."""
+        """The loss of one microbatch (``_objective``), recorded for the report, then scaled by
+        ``1 / dp`` when the data-parallel gradients are summed rather than averaged."""
+        loss = self._objective(logits, target)
+        value = loss.detach()
+        self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
+        return loss * self._dp_scale if self._dp_scale != 1.0 else loss
+
+    def _objective(self, logits: Any, target: Any) -> Any:
+        """Cross entropy of one microbatch (vocab-parallel under TP; in float32 under mixed
+        precision, as without pipelining)."""
         if self._float_logits and logits.dtype != torch.float32:
             logits = logits.float()
         if self.cp is not None:  # this CP rank's share of the logits and targets, whole over the vocab
@@ -122,9 +143,7 @@ class PipelinedModel(nn.Module):
                 loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
         else:
             loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
-        value = loss.detach()
-        self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
-        return loss * self._dp_scale if self._dp_scale != 1.0 else loss
+        return loss
 
     def train_step(self, dp_rank: int, ids: torch.Tensor, tgt: torch.Tensor) -> float:
         """One step of the schedule over this data-parallel rank's rows of the global batch; returns
@@ -142,9 +161,14 @@ class PipelinedModel(nn.Module):
         # The last stage's ranks hold the losses (each rank of a TP and of a CP group the same
         # ones): the sum over every rank is tp * cp times the sum over the data-parallel ranks'
         # microbatches.
-        total = torch.tensor([float(sum(float(x) for x in self._losses))], dtype=torch.float64)
+        summed = self._sum_over_ranks(float(sum(float(x) for x in self._losses)))
+        return summed / (layout.tp * layout.cp * layout.dp * layout.accumulation)
+
+    def _sum_over_ranks(self, local: float) -> float:
+        """This rank's summed microbatch losses, summed over every rank."""
+        total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total.item()) / (layout.tp * layout.cp * layout.dp * layout.accumulation)
+        return float(total.item())
 
     def _share(self, rows: torch.Tensor) -> torch.Tensor:
         """This CP rank's share of the sequence of ``rows`` (all of it without CP)."""

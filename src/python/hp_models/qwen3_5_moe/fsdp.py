@@ -15,6 +15,7 @@ from typing import Any
 
 from hp_dtensor import DeviceMesh
 from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hp_models.qwen3_5.model import decoder_layers
 
 
 def apply_fsdp_qwen3_5_moe(
@@ -39,8 +40,9 @@ def apply_fsdp_qwen3_5_moe(
         )
     dp_size = dp_mesh.size()
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    experts = [layer.mlp.experts for layer in model.model.layers]
-    for layer, ex in zip(model.model.layers, experts):
+    layers: list[Any] = decoder_layers(model.model)  # (a pipeline stage holds some, by their index)
+    experts: list[Any] = [layer.mlp.experts for layer in layers]
+    for layer, ex in zip(layers, experts):
         fully_shard(ex, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                     offload_policy=offload)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,

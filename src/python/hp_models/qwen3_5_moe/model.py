@@ -85,7 +85,8 @@ class SparseMoeBlock(Module):
     Under a plan that splits the tokens over ranks (sequence parallel), the block runs on this
     rank's tokens only and ``token_mesh`` names the mesh they are split over: the router and the
     shared-expert gate then use their replicated weights locally (partial gradients, summed over
-    the mesh) and the load-balancing loss sums its statistics over it."""
+    the mesh) and the load-balancing loss sums its statistics over it (over every dim of it: the
+    CP and TP ranks when both split the tokens)."""
 
     def __init__(self, config: Qwen3_5MoeConfig) -> None:
         super().__init__()
@@ -153,18 +154,30 @@ def load_balancing_loss(blocks: list[SparseMoeBlock], num_experts: int) -> torch
         prob_sum = prob_sum.to(probs.device) + probs.sum(dim=0)
         rows += probs.shape[0]
     mesh = next((b.token_mesh for b in blocks if b.token_mesh is not None), None)
+    return balance_loss(counts, prob_sum, counts.new_tensor(float(rows)), mesh)
+
+
+def balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: torch.Tensor,
+                 mesh: DeviceMesh | None) -> torch.Tensor:
+    """``load_balancing_loss`` from its statistics: top-k assignments per expert ``counts`` (E,)
+    and router probabilities summed per expert ``prob_sum`` (E,), both summed over the layers,
+    over ``rows`` (a 0-d tensor) token rows of all the layers; each rank's own when ``mesh``
+    (the blocks' ``token_mesh``) splits the tokens.  Only ``prob_sum`` carries a gradient."""
+    num_experts = counts.shape[0]
+    counts, rows = counts.detach(), rows.detach()
     if mesh is None:
         return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
     # The loss is linear in each rank's probability sums once the counts are global, so every rank
     # adds its share; the counts and row total carry no gradient.
-    totals = _sum_over(mesh, torch.cat([counts, counts.new_tensor([float(rows)])]).detach())
+    totals = _sum_over(mesh, torch.cat([counts, rows.reshape(1)]))
     share = num_experts * torch.sum((totals[:-1] / totals[-1]) * (prob_sum / totals[-1]))
     return _sum_over(mesh, share)
 
 
 def _sum_over(mesh: DeviceMesh, t: torch.Tensor) -> torch.Tensor:
-    """Each rank's ``t`` summed over ``mesh``, the same on every rank (differentiable)."""
-    total: torch.Tensor = DTensor.from_local(t, mesh, [Partial()], run_check=False).full_tensor()
+    """Each rank's ``t`` summed over ``mesh`` (every dim of it), the same on every rank
+    (differentiable)."""
+    total: torch.Tensor = DTensor.from_local(t, mesh, [Partial()] * mesh.ndim, run_check=False).full_tensor()
     return total
 
 
@@ -212,4 +225,5 @@ class Qwen3_5MoeForCausalLM(BaseModel):
         return nparams, 6 * active + 12 * n_full * cfg.num_attention_heads * cfg.head_dim * seq_len
 
 
-__all__ = ["GroupedExperts", "MoeDecoderLayer", "Qwen3_5MoeForCausalLM", "SparseMoeBlock", "load_balancing_loss"]
+__all__ = ["GroupedExperts", "MoeDecoderLayer", "Qwen3_5MoeForCausalLM", "SparseMoeBlock", "balance_loss",
+           "load_balancing_loss"]

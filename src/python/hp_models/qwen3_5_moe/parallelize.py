@@ -2,7 +2,11 @@
 
 Everything but the MoE blocks follows the dense Qwen3.5 plan on the ``tp`` mesh (sequence
 parallel, attention and Gated DeltaNet split by head).  Each MoE block runs on the tokens of this
-rank's sequence shard -- it is token-wise, so it never gathers the sequence:
+rank's sequence shard -- it is token-wise, so it never gathers the sequence.  Without sequence
+parallelism (under context parallelism, which splits the sequence over the CP ranks instead) the
+activations between blocks are replicated over ``tp`` and each block cuts its rank's shard at
+entry and gathers its output at exit, so inside it the tokens are split as under sequence
+parallelism (as torchtitan splits the routed tokens over the TP ranks):
 
 - the router and the shared-expert gate keep replicated weights, used on local tokens (their
   gradients are partial sums over ``tp``);
@@ -32,6 +36,7 @@ from hp_ep import (
     ep_etp_mesh,
     make_expert_parallel,
 )
+from hp_models.qwen3_5.model import decoder_layers
 from hp_models.qwen3_5.parallelize import parallelize_qwen3_5_tp
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_tp import (
@@ -54,16 +59,19 @@ def check_moe_tp_size(config: Qwen3_5MoeConfig, tp: int) -> None:
 
 
 def _moe_block_plan(seq: Placement) -> dict[str, ParallelStyle]:
-    if seq != Shard(1):
-        raise ValueError(
-            "the MoE plan needs sequence parallelism (activations Shard(1) between blocks); "
-            "pass sequence_parallel=True"
-        )
+    """The MoE block's styles for activations ``seq`` between blocks: ``Shard(1)`` (sequence
+    parallel) or ``Replicate()`` (without it, under context parallelism).  Either way the block
+    runs on ``1 / tp`` of the tokens, its rank's sequence shard: without sequence parallelism the
+    replicated input is cut at entry (no communication) and the output gathered back, so the
+    experts, the router and the dispatch see the tokens exactly as under sequence parallelism,
+    no token runs through them twice."""
+    if seq != Shard(1) and seq != Replicate():
+        raise ValueError(f"the MoE plan takes activations Shard(1) or Replicate() between blocks, got {seq}")
     return {
-        # The block sees this rank's sequence shard as a plain tensor and returns it as Shard(1).
+        # The block sees this rank's sequence shard as a plain tensor and returns it as ``seq``.
         "mlp": PrepareModuleInputOutput(
-            input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_input=True,
-            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=False,
+            input_layouts=seq, desired_input_layouts=Shard(1), use_local_input=True,
+            output_layouts=Shard(1), desired_output_layouts=seq, use_local_output=False,
         ),
         # The block flattens its tokens to (tokens, hidden): the shard's rows are gathered here.
         "mlp.shared_expert": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
@@ -76,9 +84,10 @@ def _moe_block_plan(seq: Placement) -> dict[str, ParallelStyle]:
 def parallelize_qwen3_5_moe(
     model: Any, *, tp_mesh: DeviceMesh | None = None, ep_mesh: DeviceMesh | None = None,
     loss_parallel: bool = False, dispatcher: TokenDispatcher = TokenDispatcher.ALLTOALL,
-    npu_nums_per_device: int = 8, etp_mesh: DeviceMesh | None = None,
+    npu_nums_per_device: int = 8, etp_mesh: DeviceMesh | None = None, sequence_parallel: bool = True,
+    context_parallel: int = 1,
 ) -> list[ExpertParallelStyle]:
-    """Apply TP on the 1-D ``tp_mesh`` (sequence parallel on) and EP on the 1-D ``ep_mesh`` (the
+    """Apply TP on the 1-D ``tp_mesh`` and EP on the 1-D ``ep_mesh`` (the
     sparse mesh's ``ep`` dim) in place; either may be None.  ``dispatcher`` picks how tokens reach
     the experts: ``ALLTOALL`` (``ExpertParallel``) or ``ALLTOALL_DEREDUNDANCY``
     (``DeredundancyExpertParallel``, nodes of ``npu_nums_per_device`` ep ranks; ``ValueError``
@@ -91,17 +100,27 @@ def parallelize_qwen3_5_moe(
     are the TP ranks sharing an ep coordinate when ``ep < tp`` (``etp = tp // ep``).  Plain
     all-to-all only (``ValueError`` with ``ALLTOALL_DEREDUNDANCY``).
 
+    ``sequence_parallel`` and ``context_parallel`` are the dense plan's
+    (``parallelize_qwen3_5_tp``; with ``context_parallel > 1``, whose ranks already split the
+    sequence, sequence parallelism is off, with a warning when asked for).  Without sequence
+    parallelism the activations between blocks are replicated over ``tp`` and each MoE block
+    still runs on ``1 / tp`` of its rank's tokens (cut at entry, gathered at exit), so the
+    sequence length a rank holds must be a multiple of ``tp`` (the trainer refuses other lengths
+    before any rank starts).  The blocks' ``token_mesh`` is ``tp_mesh``: a caller who adds CP
+    widens it to the CP and TP ranks (the router's statistics are summed over both).
+
     Logits come back as a ``Replicate()`` DTensor under TP (``Shard(-1)`` over the vocab when
     ``loss_parallel``).  Data-parallel gradient reduction is not done here: dense gradients are
     summed over the dense mesh's data-parallel dims, expert gradients over ``efsdp`` (FSDP does
     both)."""
     config: Qwen3_5MoeConfig = model.config
+    layers: list[Any] = decoder_layers(model.model)  # (a pipeline stage holds some, by their index)
     if tp_mesh is not None and tp_mesh.size() > 1:
         check_moe_tp_size(config, tp_mesh.size())
-        parallelize_qwen3_5_tp(model, tp_mesh, sequence_parallel=True, loss_parallel=loss_parallel,
-                               mlp_plan=_moe_block_plan)
+        parallelize_qwen3_5_tp(model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                               context_parallel=context_parallel, mlp_plan=_moe_block_plan)
         plat = _platform()
-        for layer in model.model.layers:
+        for layer in layers:
             block = layer.mlp
             for gate in (block.gate, block.shared_expert_gate):
                 plat.set_param(gate, "weight", plat.distribute_tensor(gate.weight.data, tp_mesh, [Replicate()]))
@@ -115,13 +134,13 @@ def parallelize_qwen3_5_moe(
                 f"{'no ep_mesh' if ep_mesh is None else f'an ep_mesh of {ep_mesh.size()} ranks'} and {dispatcher}"
             )
         mesh = ep_etp_mesh(ep_mesh, etp_mesh)
-        for layer in model.model.layers:
+        for layer in layers:
             etp_style = ExpertTensorParallel()
             etp_style.apply(layer.mlp.experts, mesh)  # a 2-D style: parallelize_module takes 1-D meshes
             styles.append(etp_style)
         return styles
     if ep_mesh is not None and ep_mesh.size() > 1:
-        for layer in model.model.layers:
+        for layer in layers:
             style = make_expert_parallel(dispatcher, npu_nums_per_device=npu_nums_per_device)
             parallelize_module(layer.mlp, ep_mesh, {"experts": style})
             styles.append(style)

@@ -65,7 +65,7 @@ def check_args(args: Args) -> tuple[Any, TrainLayout]:
         check_backend(args.backend, layout, checkpoint_format=args.checkpoint_format)
         check_tp_size(config, layout.tp)
         check_context(layout, config, args.seq_len)
-        check_model(config, layout)
+        check_model(config, layout, args.seq_len)
         LRSchedule.of(layout.optim.lr, layout.optim, args.steps)
     except (FileNotFoundError, ValueError, NotImplementedError) as e:
         sys.exit(f"error: {where}{e}")

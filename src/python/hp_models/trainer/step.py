@@ -15,7 +15,7 @@ def train_step(model: Any, layout: TrainLayout, dp_rank: int, ids: Any, tgt: Any
     Gradients are left in ``.grad`` for the optimizer: those of the global mean loss."""
     import torch
 
-    if layout.moe is not None:  # (also under context parallelism)
+    if layout.moe is not None and layout.split is None:  # (also under context parallelism)
         from hp_models.train_moe import moe_train_step
 
         return moe_train_step(model, layout, dp_rank, ids, tgt)
