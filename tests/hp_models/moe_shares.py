@@ -81,3 +81,24 @@ def check_shares(ranks: list[dict[str, Any]], experts: dict[str, Any], dense_dim
     for name, placements in expect.items():
         got = next(r[name][2] for r in ranks if name in r)
         assert got == placements, (name, got)
+
+
+def check_equals_one_process(res: list[dict[str, Any]], argv: list[str], out: Any, seq: int, label: str) -> None:
+    """Every rank reports the same run; its losses equal the trainer's one-process run of ``argv``
+    (fp32, rtol 1.5e-4) and its tokens per expert equal it exactly, each of the 8 samples' ``seq``
+    tokens routed to its top 2 experts once per layer and step (no rank routes a token another
+    one routes)."""
+    import torch
+    from train_reference import single_process_run
+
+    assert all(r["losses"] == res[0]["losses"] and r["load"] == res[0]["load"] for r in res)
+    single = single_process_run(argv, out)
+    load = res[0]["load"]
+    assert load["copies_per_step"] == 8 * seq * 2 and all(sum(row) == 8 * seq * 2 for s in load["per_step"] for row in s)
+    assert load["per_step"] == single["tokens_per_expert"]["per_step"], "tokens per expert differ from one process"
+    torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(single["losses"]), rtol=1.5e-4,
+                               atol=1e-5)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single["losses"]))
+    steps = len(single["losses"])
+    print(f"\n[{label}] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single['losses']}\n"
+          f"  max rel diff {worst:.2e}; tokens per expert equal to one process in all {steps} steps")

@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from moe_shares import EP, ETP, check_shares, train_and_hold
-from train_reference import single_process_run
+from moe_shares import EP, ETP, check_equals_one_process, check_shares, train_and_hold
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 from hp_models import train
@@ -50,8 +49,6 @@ def _job(tmp_path, parallelism: dict[str, Any]) -> str:
 ], ids=["colossal-ep2", "colossal-ep4-deredundancy-full-ac", "colossal-etp2", "ulysses-ep2-selective-ac"])
 def test_moe_cp_tp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any], flags: list[str],
                                       layout: dict[str, Any], experts: dict[str, Any], tmp_path) -> None:
-    import torch
-
     argv = ["--job", _job(tmp_path, parallelism), *SHORT, *flags]
     res = pool4.run(train_and_hold, [*argv, "--out-dir", str(tmp_path / "run")])
     for key, value in layout.items():
@@ -59,18 +56,7 @@ def test_moe_cp_tp_equals_one_process(pool4: RankPool, parallelism: dict[str, An
     # the router statistics are summed over the 2 CP x 2 TP ranks that split each sequence's tokens
     assert all(r["token_mesh"] == (("cp", "tp"), 4) for r in res), [r["token_mesh"] for r in res]
     check_shares([r["params"] for r in res], experts)
-    assert all(r["losses"] == res[0]["losses"] and r["load"] == res[0]["load"] for r in res)
-    single = single_process_run(argv, tmp_path / "single")
-    load = res[0]["load"]
-    # 8 samples x 32 tokens x top-2 routed copies per layer and step, each counted once (no TP
-    # rank routes a token another one routes)
-    assert load["copies_per_step"] == 8 * SEQ * 2 and all(sum(row) == 8 * SEQ * 2 for s in load["per_step"] for row in s)
-    assert load["per_step"] == single["tokens_per_expert"]["per_step"], "tokens per expert differ from one process"
-    torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(single["losses"]), rtol=1.5e-4,
-                               atol=1e-5)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single["losses"]))
-    print(f"\n[train moe cp x tp] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single['losses']}\n"
-          f"  max rel diff {worst:.2e}; tokens per expert equal to one process in all {STEPS} steps")
+    check_equals_one_process(res, argv, tmp_path / "single", SEQ, "train moe cp x tp")
 
 
 def test_cp_shards_the_tp_ranks_cannot_split_fail_before_any_rank_starts(tmp_path) -> None:

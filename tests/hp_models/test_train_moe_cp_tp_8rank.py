@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from moe_shares import EP, check_shares, train_and_hold
-from train_reference import single_process_run
+from moe_shares import EP, check_equals_one_process, check_shares, train_and_hold
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
 
@@ -38,8 +37,6 @@ SHORT = ["--config", "tiny-moe", "--nproc", "8", "--steps", str(STEPS), "--seq-l
 ], ids=["colossal-cp2-tp2-dp2-ep4", "hybrid-cp4-u2-tp2-ep2", "pp2-cp2-tp2-ep2"])
 def test_moe_cp_tp_dp_equals_one_process(pool8: RankPool, parallelism: dict[str, Any], layout: dict[str, Any],
                                          token_ranks: int | None, tmp_path) -> None:
-    import torch
-
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"parallelism": parallelism, "model": {"use_attn_mask_compression": True},
                                    "training": {"global_batch_size": 8, "local_batch_size": 2}}))
@@ -52,13 +49,4 @@ def test_moe_cp_tp_dp_equals_one_process(pool8: RankPool, parallelism: dict[str,
     if token_ranks is not None:
         assert all(r["token_mesh"] == (("cp", "tp"), token_ranks) for r in res), [r["token_mesh"] for r in res]
     check_shares([r["params"] for r in res], EP)
-    assert all(r["losses"] == res[0]["losses"] and r["load"] == res[0]["load"] for r in res)
-    single = single_process_run(argv, tmp_path / "single")
-    load = res[0]["load"]
-    assert load["copies_per_step"] == 8 * SEQ * 2 and all(sum(row) == 8 * SEQ * 2 for s in load["per_step"] for row in s)
-    assert load["per_step"] == single["tokens_per_expert"]["per_step"], "tokens per expert differ from one process"
-    torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(single["losses"]), rtol=1.5e-4,
-                               atol=1e-5)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single["losses"]))
-    print(f"\n[train moe cp x tp x dp] {res[0]['describe']}: losses {res[0]['losses']}\n  one process "
-          f"{single['losses']}\n  max rel diff {worst:.2e}; tokens per expert equal to one process in all {STEPS} steps")
+    check_equals_one_process(res, argv, tmp_path / "single", SEQ, "train moe cp x tp x dp")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from moe_shares import EP, check_shares, train_and_hold
+from moe_shares import EP, check_equals_one_process, check_shares, train_and_hold
 from train_reference import single_process_run
 
 from hp_dtensor.testing import RankPool, rank_pool_fixture
@@ -67,8 +67,6 @@ def _job(tmp_path, parallelism: dict[str, Any]) -> str:
 def test_moe_pp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any], flags: list[str],
                                    layout: dict[str, Any], experts: dict[str, Any], dense: tuple[str, ...],
                                    expect: dict[str, tuple[str, ...]], tmp_path) -> None:
-    import torch
-
     argv = ["--job", _job(tmp_path, parallelism), *SHORT, *flags]
     res = pool4.run(train_and_hold, [*argv, "--out-dir", str(tmp_path / "run")])
     for key, value in layout.items():
@@ -82,16 +80,7 @@ def test_moe_pp_equals_one_process(pool4: RankPool, parallelism: dict[str, Any],
         layers = sorted({int(n.split(".")[2]) for n in held if n.startswith("model.layers.")})
         mine = [i for v, ls in enumerate(res[0]["layout"]["stage_layers"]) if v % 2 == rank // 2 for i in ls]
         assert layers == mine and ("lm_head.weight" in held) == (rank >= 2), (rank, layers, first)
-    assert all(r["losses"] == res[0]["losses"] and r["load"] == res[0]["load"] for r in res)
-    single = single_process_run(argv, tmp_path / "single")
-    load = res[0]["load"]
-    assert load["copies_per_step"] == 8 * SEQ * 2 and all(sum(row) == 8 * SEQ * 2 for s in load["per_step"] for row in s)
-    assert load["per_step"] == single["tokens_per_expert"]["per_step"], "tokens per expert differ from one process"
-    torch.testing.assert_close(torch.tensor(res[0]["losses"]), torch.tensor(single["losses"]), rtol=1.5e-4,
-                               atol=1e-5)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(res[0]["losses"], single["losses"]))
-    print(f"\n[train moe pp] {res[0]['describe']}: losses {res[0]['losses']}\n  one process {single['losses']}\n"
-          f"  max rel diff {worst:.2e}; tokens per expert equal to one process in all {STEPS} steps")
+    check_equals_one_process(res, argv, tmp_path / "single", SEQ, "train moe pp")
 
 
 def _losses(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
