@@ -95,15 +95,9 @@ class _MsTransfer(TransferBase):
                 raise ValueError(f"move_box: rank {src} sends but passed no piece")
             plat.COLLECTIVES.broadcast(_plain(piece), pair.index(src), group, 2, pair.index(me), src)
             return None
-        out = plat.COLLECTIVES.broadcast(_receive_buffer(shape, name), pair.index(src), group, 2, pair.index(me), src)
+        # (the receiving end's buffer values are not used)
+        out = plat.COLLECTIVES.broadcast(_MsTransfer.empty(shape, name), pair.index(src), group, 2, pair.index(me), src)
         return out  # type: ignore[no-any-return]
-
-
-def _receive_buffer(shape: Sequence[int], name: str) -> Tensor:
-    """What the receiving end passes to the broadcast (its values are not used)."""
-    if name not in _DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}")
-    return Tensor(np.zeros(tuple(shape), np.float32)).astype(_DTYPES[name])
 
 
 TRANSFER = _MsTransfer()
