@@ -91,14 +91,16 @@ class Qwen3_5Stage(nn.Module):
         return {}
 
 
-def split_qwen3_5(model: Any, split: StageSplit, pp_rank: int) -> list[Qwen3_5Stage]:
-    """The stage modules pp rank ``pp_rank`` runs (its virtual stages in increasing order)."""
+def split_qwen3_5(model: Any, split: StageSplit, pp_rank: int,
+                  stage: type[Qwen3_5Stage] = Qwen3_5Stage) -> list[Qwen3_5Stage]:
+    """The stage modules pp rank ``pp_rank`` runs (its virtual stages in increasing order), each a
+    ``stage`` (a subclass for a model variant's stages)."""
     if split.num_layers != model.config.num_hidden_layers:
         raise ValueError(
             f"the split places {split.num_layers} layers but the model has {model.config.num_hidden_layers}"
         )
     last = split.num_virtual - 1
-    return [Qwen3_5Stage(model, split.layers[v], first=v == 0, last=v == last) for v in split.stages_of(pp_rank)]
+    return [stage(model, split.layers[v], first=v == 0, last=v == last) for v in split.stages_of(pp_rank)]
 
 
 def _dim_size(mesh: DeviceMesh, name: str) -> int:

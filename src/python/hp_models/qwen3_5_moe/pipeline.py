@@ -21,14 +21,14 @@ share with the microbatch's sequence facts, as ``hp_models.qwen3_5.pipeline_cp``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from hp_cp import ContextParallel
 from hp_dtensor import DeviceMesh, DTensor, Replicate, Shard
 from hp_models.qwen3_5.context_parallel import cp_rotary
-from hp_models.qwen3_5.pipeline import Qwen3_5Stage
+from hp_models.qwen3_5.pipeline import Qwen3_5Stage, split_qwen3_5
 from hp_models.qwen3_5.pipeline_cp import MicrobatchFacts
 from hp_models.qwen3_5_moe.config import Qwen3_5MoeConfig
 from hp_models.qwen3_5_moe.model import SparseMoeBlock, balance_loss
@@ -145,12 +145,7 @@ def _layer_statistics(block: SparseMoeBlock, index: int, cfg: Qwen3_5MoeConfig) 
 
 def split_qwen3_5_moe(model: Any, split: StageSplit, pp_rank: int) -> list[Qwen3_5MoeStage]:
     """The stage modules pp rank ``pp_rank`` runs (its virtual stages in increasing order)."""
-    if split.num_layers != model.config.num_hidden_layers:
-        raise ValueError(
-            f"the split places {split.num_layers} layers but the model has {model.config.num_hidden_layers}"
-        )
-    last = split.num_virtual - 1
-    return [Qwen3_5MoeStage(model, split.layers[v], first=v == 0, last=v == last) for v in split.stages_of(pp_rank)]
+    return cast(list[Qwen3_5MoeStage], split_qwen3_5(model, split, pp_rank, Qwen3_5MoeStage))
 
 
 def pipeline_qwen3_5_moe(model: Any, split: StageSplit, mesh: DeviceMesh,
