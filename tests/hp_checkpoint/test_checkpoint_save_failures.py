@@ -66,7 +66,7 @@ def _full_disk_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
 
     save_checkpoint(_state(), root, 1)
     files = shard_file_primitives()
-    real_write_data, real_write = torch_dcp._RecordingWriter.write_data, files.write
+    real_write_data, real_write = torch_dcp._SealingWriter.write_data, files.write
 
     def no_space(path: str) -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
@@ -79,7 +79,7 @@ def _full_disk_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     if rank == 1:
-        torch_dcp._RecordingWriter.write_data = full_dcp
+        torch_dcp._SealingWriter.write_data = full_dcp
         files.write = full_shards
     try:
         out["dcp"] = [_try(lambda: save_checkpoint(_state(), root, 2)) for _ in range(2)]  # a retry too
@@ -89,7 +89,7 @@ def _full_disk_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
         dist.barrier()
         out["shards-left"] = sorted(os.listdir(os.path.join(root, "st")))
     finally:
-        torch_dcp._RecordingWriter.write_data, files.write = real_write_data, real_write
+        torch_dcp._SealingWriter.write_data, files.write = real_write_data, real_write
     return out
 
 
@@ -104,3 +104,38 @@ def test_a_full_disk_on_one_rank_fails_everywhere_and_leaves_no_staging(pool2: R
     # two failed attempts each, and no staging directory left by either
     assert r0["dcp-left"] == ["step-00000001"], r0["dcp-left"]
     assert r0["shards-left"] == [], r0["shards-left"]
+
+
+def _fsync_fails_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The files are written, but making them durable fails on rank 1 (an I/O error from fsync,
+    reported on the background thread that seals them)."""
+    import torch.distributed as dist
+
+    from hp_checkpoint import file_seal
+    from hp_checkpoint.atomic import save_checkpoint
+
+    save_checkpoint(_state(), root, 1)
+    real = file_seal.fsync_file
+
+    def broken(path: str) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    if rank == 1:
+        file_seal.fsync_file = broken
+    try:
+        out: dict[str, Any] = {"dcp": _try(lambda: save_checkpoint(_state(), root, 2))}
+    finally:
+        file_seal.fsync_file = real
+    dist.barrier()
+    out["left"] = sorted(os.listdir(root))
+    out["retry"] = _try(lambda: save_checkpoint(_state(), root, 2))
+    return out
+
+
+def test_a_file_that_cannot_be_made_durable_fails_the_save_on_every_rank(pool2: RankPool, tmp_path: Any) -> None:
+    r0, r1 = pool2.run(_fsync_fails_on_rank_1, str(tmp_path))
+    assert r0["dcp"] == r1["dcp"], (r0["dcp"], r1["dcp"])
+    assert r0["dcp"].startswith("CheckpointError:") and "rank 1 cannot checksum its files" in r0["dcp"], r0["dcp"]
+    assert "Input/output error" in r0["dcp"] and "__1_0.distcp" in r0["dcp"], r0["dcp"]
+    assert r0["left"] == ["step-00000001"], r0["left"]  # step 1 kept, no staging directory left
+    assert r0["retry"] == r1["retry"] == "saved", (r0["retry"], r1["retry"])

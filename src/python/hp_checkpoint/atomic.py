@@ -40,7 +40,6 @@ from hp_checkpoint.manifest import (
     check_tensors,
     commit,
     describe_os_error,
-    file_entries,
     file_entry,
     new_nonce,
     newest_complete,
@@ -105,18 +104,17 @@ def save_checkpoint(
         with contextlib.suppress(OSError):  # on a filesystem of its own; DCP reports a failure to write
             staging_dir(root, step, nonce)
     crash_point(FaultPoint.STAGED, rank, step)
+    error: str | None = None
+    mine: dict[str, FileEntry] = {}
     try:
-        written = dcp.write(dict(state_dict), stage, group=group)
+        mine = dict(dcp.write(dict(state_dict), stage, group=group))  # fsynced and checksummed
     except CheckpointError:  # raised on every rank alike, once every rank stopped writing
         if rank == 0:
             _discard(stage)
         raise
+    except OSError as e:  # this rank's files written but not sealed: every rank learns it below
+        error = describe_os_error(e, f"checkpoint save to {root}: rank {rank} cannot checksum its files")
     crash_point(FaultPoint.FILES_WRITTEN, rank, step)
-    error: str | None = None
-    try:
-        mine = file_entries(stage, written, fsync=False)  # the writer fsynced each file it wrote
-    except OSError as e:
-        mine, error = {}, describe_os_error(e, f"checkpoint save to {root}: rank {rank} cannot checksum its files")
     # every rank's tensors: ranks may hold different names (the stages of a pipeline)
     tensors = tensor_entries(state_dict, dcp.tensor_meta)
     gathered = plat.all_gather_object((mine, error, tensors), group=group)

@@ -148,14 +148,14 @@ def file_entries(directory: str, relpaths: Iterable[str], *, fsync: bool = True)
     what one rank contributes to the manifest for the files it wrote."""
     out = {}
     for rel in relpaths:
-        path = os.path.join(directory, _checked_relpath(rel, directory))
+        path = os.path.join(directory, checked_relpath(rel, directory))
         if fsync:
             fsync_file(path)
         out[rel] = file_entry(path)
     return out
 
 
-def _checked_relpath(rel: str, where: str) -> str:
+def checked_relpath(rel: str, where: str) -> str:
     """A manifest path must stay inside the checkpoint directory."""
     norm = os.path.normpath(rel)
     if not rel or os.path.isabs(rel) or norm.startswith("..") or norm != rel or rel == MANIFEST_NAME:
@@ -174,7 +174,7 @@ def write_manifest(staging_dir: str, manifest: Manifest) -> str:
     """Write ``manifest.json`` into ``staging_dir`` (through a temporary file, fsynced, renamed)
     and fsync the directory.  Call it after every listed file is written and fsynced."""
     for rel in manifest.files:
-        _checked_relpath(rel, staging_dir)
+        checked_relpath(rel, staging_dir)
     path = os.path.join(staging_dir, MANIFEST_NAME)
     tmp = path + ".tmp"
     doc = json.loads(json.dumps(manifest.to_json()))  # as a reader will parse it (tuples, int keys)
@@ -256,7 +256,7 @@ def read_manifest(directory: str) -> Manifest:
     step = _field(raw, "step", int, directory, "")
     files: dict[str, FileEntry] = {}
     for rel, entry in _field(raw, "files", dict, directory, "").items():
-        _checked_relpath(rel, directory)
+        checked_relpath(rel, directory)
         if not isinstance(entry, dict):
             raise _bad(directory, f"has a non-object entry for file {rel!r}")
         n = _field(entry, "bytes", int, directory, f"for file {rel!r}")
@@ -565,7 +565,7 @@ def describe_os_error(error: OSError, what: str) -> str:
 __all__ = [
     "FORMAT", "MANIFEST_NAME", "VERSION", "CheckpointError", "CheckpointKind", "FileEntry", "Framework",
     "Manifest", "SkippedStep", "TensorEntry", "check_files_present", "check_tensor", "check_tensors",
-    "checkpoint_entries", "clear_checkpoints", "commit", "complete_checkpoints", "describe_os_error",
+    "checked_relpath", "checkpoint_entries", "clear_checkpoints", "commit", "complete_checkpoints", "describe_os_error",
     "file_entries", "file_entry", "fsync_dir", "fsync_file", "new_nonce", "newest_complete", "prune",
     "read_manifest", "scan_checkpoints", "staging_dir", "step_name", "verify_checkpoint", "write_manifest",
 ]

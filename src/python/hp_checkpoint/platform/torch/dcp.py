@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from hp_checkpoint.manifest import describe_os_error
+from hp_checkpoint.file_seal import FileSeal
+from hp_checkpoint.manifest import FileEntry, describe_os_error
 from hp_checkpoint.platform.torch.dcp_reader import FastFileSystemReader
 from hp_dtensor.layout.dtensor_spec import DTensorSpec
 from hp_dtensor.layout.shard_boxes import CheckpointError, check_no_partial
@@ -136,23 +137,32 @@ def load(state_dict: dict[str, Any], checkpoint_id: Any, *, strict: bool = True)
         raise CheckpointError(failure)
 
 
-class _RecordingWriter(FileSystemWriter):
-    """DCP's file writer (one file per rank, fsynced), remembering the files this rank wrote, so
-    that each rank can checksum its own files for the checkpoint manifest."""
+class _SealingWriter(FileSystemWriter):
+    """DCP's file writer (one file per rank) that leaves fsync to a ``FileSeal``: as soon as this
+    rank's data files are written, a background thread fsyncs and checksums them while DCP's
+    closing collectives wait for the other ranks; the coordinator's index (``.metadata``) is
+    sealed the same way once written."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.written: set[str] = set()
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
+        self.seals: list[FileSeal] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut = super().write_data(plan, planner)
-        for result in fut.value():
-            self.written.add(result.storage_data.relative_path)
+        written = sorted({result.storage_data.relative_path for result in fut.value()})
+        self.seals.append(FileSeal(str(self.path), written))
         return fut
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
-        self.written.add(".metadata")  # the coordinator's index of every rank's items
+        self.seals.append(FileSeal(str(self.path), [".metadata"]))
+
+    def entries(self) -> dict[str, FileEntry]:
+        """Every file this rank wrote, fsynced, with its size and sha256 (waits for the seals)."""
+        out: dict[str, FileEntry] = {}
+        for seal in self.seals:
+            out.update(seal.result())
+        return out
 
 
 def _caching_planner(group: Any) -> DefaultSavePlanner:
@@ -168,18 +178,22 @@ def _caching_planner(group: Any) -> DefaultSavePlanner:
     return planner
 
 
-def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> list[str]:
+def write(state_dict: dict[str, Any], directory: str, group: Any = None) -> dict[str, FileEntry]:
     """``save`` into ``directory`` (DCP's collectives on ``group``, default the world); returns
-    the paths (relative to it) of the files this rank wrote, each fsynced, once every rank has
-    finished (DCP's closing collective)."""
-    writer = _RecordingWriter(directory)
+    the files (paths relative to it) this rank wrote, each fsynced, with size and sha256, once
+    every rank has finished (DCP's closing collective).  Raises ``OSError`` when a written file
+    cannot be fsynced or read back."""
+    writer = _SealingWriter(directory)
     try:
         with _one_process_is_intended():
             dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized(),
                      planner=_caching_planner(group))
     except CheckpointException as e:
+        for seal in writer.seals:  # no thread outlives a failed save
+            with contextlib.suppress(OSError):
+                seal.result()
         raise _reraise(e, "checkpoint save to", directory) from None
-    return sorted(writer.written)
+    return writer.entries()
 
 
 def tensor_meta(value: Any) -> tuple[tuple[int, ...], str] | None:
