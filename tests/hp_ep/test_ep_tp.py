@@ -29,7 +29,7 @@ pool4 = rank_pool_fixture(4, timeout=240)
 RTOL, ATOL = 1.5e-4, 1e-5
 
 
-def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool = False) -> dict:
+def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool = False, sp: bool = True) -> dict:
     import torch.distributed as dist
 
     from hp_dtensor import CommDebugMode
@@ -46,7 +46,7 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
     ref = perturbed_model(cfg, seed)
     ref = ref.to(torch.float64)
     model = copy.deepcopy(ref)
-    styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"])
+    styles = parallelize_qwen3_5_moe(model, tp_mesh=dense["tp"], ep_mesh=sparse["ep"], sequence_parallel=sp)
     if fsdp:
         from hp_models.qwen3_5_moe.fsdp import apply_fsdp_qwen3_5_moe
 
@@ -113,6 +113,17 @@ def test_ep_tp_model_three_adamw_steps_match_one_process(tp: int, ep: int, pool4
     print(f"\nep={ep} x tp={tp} on 4 ranks: {len(seeds)} seeded cases x 3 AdamW steps equal one process; worst "
           f"|loss diff| {max(r['loss'] for r in results):.2e}, |grad diff| {max(r['grad'] for r in results):.2e}, "
           f"|param diff| {max(r['param'] for r in results):.2e}; experts per rank 1/{ep}")
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (4, 2)], ids=["ep2xtp2", "ep2_tp4"])
+def test_without_sequence_parallel_each_block_still_takes_its_tp_share(tp: int, ep: int, pool4) -> None:
+    """Replicated activations between blocks: each MoE block cuts its 1/tp of the tokens at entry
+    and gathers them at exit, so no token is routed twice (the conservation check in the case)."""
+    results = pool4.run(_ep_tp_case, tp, ep, 13, False, False)
+    assert all(r["expert_share"] == 1 / ep for r in results)
+    print(f"\nno sequence parallel, ep={ep} x tp={tp}: 3 AdamW steps equal one process, each token copy routed "
+          f"once; worst |loss diff| {max(r['loss'] for r in results):.2e}, |grad diff| "
+          f"{max(r['grad'] for r in results):.2e}, |param diff| {max(r['param'] for r in results):.2e}")
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2)], ids=["ep2xtp2_dpshard2", "ep2_dpshard4"])
