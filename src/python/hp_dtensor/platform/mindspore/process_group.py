@@ -9,6 +9,8 @@ collective is ever issued, which is what single-process tests and geometry check
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any
 
 from hp_dtensor.device_mesh import check_device_type
@@ -89,8 +91,25 @@ def ensure_process_group(device_type: str) -> None:
         )
     from mindspore.communication import init
 
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        _wait_for_scheduler(os.environ["MS_SCHED_HOST"], int(os.environ["MS_SCHED_PORT"]))
     init()
     _state.update(initialized=True, single=False)
+
+
+def _wait_for_scheduler(host: str, port: int, limit_s: float = 60.0) -> None:
+    """Return once the scheduler accepts connections (or after ``limit_s``: ``init()`` then
+    reports the failure itself).  Launchers start the scheduler and the workers together, and a
+    worker importing faster than its scheduler connects first: MindSpore 2.10's worker then
+    registers through a reconnect path that kept failing for 10 to 20 s on this machine, where
+    one that finds the scheduler listening registers at once."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.05)
 
 
 def init_rank(backend: str | None, path: str, rank: int, world_size: int, timeout_s: float) -> None:
