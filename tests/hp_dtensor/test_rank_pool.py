@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
-from hp_dtensor.testing import RankError, RankPool, RankTimeout, fake_world, rank_pool_fixture
+from hp_dtensor.testing import RankError, RankPool, RankTimeout, fake_world, rank_pool_fixture, shared_pool
+from hp_dtensor.testing import rank_pool as rank_pool_module
 
-pool4 = rank_pool_fixture(4)
+pool4 = rank_pool_fixture(4, fresh=True)  # counts its own restarts
 
 
 def _all_reduce(rank: int, world_size: int) -> float:
@@ -139,3 +141,23 @@ def test_fake_world_builds_meshes_of_any_size(world: int) -> None:
         assert mesh.get_coordinate() == (1, world // 2 - 1)
         assert mesh["tp"].size() == world // 2
         assert mesh.group_ranks(1) == tuple(range(world // 2, world))
+
+
+def _pid(rank: int, world_size: int) -> int:
+    return os.getpid()
+
+
+def test_shared_pools_hand_the_same_ranks_to_the_next_module() -> None:
+    first = shared_pool(2, timeout=30)
+    pids = first.run(_pid)
+    again = shared_pool(2, timeout=45)  # the next module: same ranks, its own case timeout
+    assert again is first and again.timeout == 45 and again.run(_pid) == pids
+    other = shared_pool(2, env={"HP_RANK_POOL_TEST": "1"})  # another environment: other ranks
+    assert other is not first
+    # beyond the newest _KEEP pools the oldest is closed (its ranks stopped), not leaked
+    for i in range(rank_pool_module._KEEP):
+        shared_pool(2, env={"HP_RANK_POOL_TEST": f"spare-{i}"})  # never run: never started
+    assert first._procs == [] and not any(pool is first for pool in rank_pool_module._shared.values())
+    assert len(rank_pool_module._shared) == rank_pool_module._KEEP
+    fresh = shared_pool(2, timeout=30)  # asked again: started anew, not the closed one
+    assert fresh is not first and set(fresh.run(_pid)).isdisjoint(pids)
