@@ -154,10 +154,12 @@ def test_shared_pools_hand_the_same_ranks_to_the_next_module() -> None:
     assert again is first and again.timeout == 45 and again.run(_pid) == pids
     other = shared_pool(2, env={"HP_RANK_POOL_TEST": "1"})  # another environment: other ranks
     assert other is not first
-    # beyond the newest _KEEP pools the oldest is closed (its ranks stopped), not leaked
-    for i in range(rank_pool_module._KEEP):
+    # beyond _KEEP_RANKS ranks alive the oldest pools are closed (their ranks stopped), not leaked
+    for i in range(rank_pool_module._KEEP_RANKS // 2):
         shared_pool(2, env={"HP_RANK_POOL_TEST": f"spare-{i}"})  # never run: never started
     assert first._procs == [] and not any(pool is first for pool in rank_pool_module._shared.values())
-    assert len(rank_pool_module._shared) == rank_pool_module._KEEP
+    assert sum(pool.world_size for pool in rank_pool_module._shared.values()) <= rank_pool_module._KEEP_RANKS
+    big = shared_pool(rank_pool_module._KEEP_RANKS + 1)  # one pool over the limit alone is still kept
+    assert list(rank_pool_module._shared.values()) == [big]
     fresh = shared_pool(2, timeout=30)  # asked again: started anew, not the closed one
     assert fresh is not first and set(fresh.run(_pid)).isdisjoint(pids)

@@ -280,9 +280,11 @@ class RankPool:
             raise RankError(f"{name}: a rank's result cannot be read in the test process: {type(e).__name__}: {e}") from e
 
 
-# Started pools that test modules hand on to each other, newest last: at most _KEEP stay alive.
+# Started pools that test modules hand on to each other, newest last.  Older ones are closed
+# while the pools alive hold more than _KEEP_RANKS ranks: a rank that ran many modules holds 0.4
+# to 0.8 GB, and two test batches run at once on a machine of 23 GB.
 _shared: dict[tuple[Any, ...], RankPool] = {}
-_KEEP = 3
+_KEEP_RANKS = 8
 
 
 def _close_shared() -> None:
@@ -298,14 +300,15 @@ def shared_pool(world_size: int, *, timeout: float = 60.0, env: dict[str, str] |
     asking for the same size and environment in this process gets the same (started) ranks, with
     its own per-case ``timeout``.  Starting ranks is the expensive part of a multi-rank test file
     (about 0.9 s of CPU per torch rank, 10 to 20 s of waiting for a MindSpore job to form), so the
-    files a test runner batches into one process share them.  The newest ``_KEEP`` pools stay
-    alive (each rank holds a framework's memory); the rest, and all at exit, are closed."""
+    files a test runner batches into one process share them.  The newest pools stay alive while
+    they hold at most ``_KEEP_RANKS`` ranks together (each rank holds a framework's memory); the
+    rest, and all at exit, are closed."""
     key = (world_size, tuple(sorted((env or {}).items())))
     pool = _shared.pop(key, None)
     if pool is None:
         pool = RankPool(world_size, timeout=timeout, env=env)
     _shared[key] = pool  # newest last
-    while len(_shared) > _KEEP:
+    while len(_shared) > 1 and sum(p.world_size for p in _shared.values()) > _KEEP_RANKS:
         _shared.pop(next(iter(_shared))).close()
     pool.timeout = timeout
     return pool
