@@ -3,8 +3,9 @@
 ``save_checkpoint(state_dict, root, step)`` (every rank calls it):
 
 1. rank 0 draws the staging directory's name and shares it; every rank writes its own shards
-   there through ``torch.distributed.checkpoint`` (fsynced);
-2. every rank checksums the files it wrote; the checksums reach rank 0, which writes
+   there through ``torch.distributed.checkpoint``, and fsyncs and checksums the files it wrote on
+   a background thread while DCP's closing collectives run (``FileSeal``);
+2. once every rank's files are sealed, the checksums reach rank 0, which writes
    ``manifest.json`` (every file's size and sha256, every tensor's global shape and dtype, and
    the caller's ``extra``) last, renames the directory to ``<root>/step-<N>`` and prunes to the
    newest ``keep``; the outcome reaches every rank.
