@@ -163,3 +163,32 @@ def test_shared_pools_hand_the_same_ranks_to_the_next_module() -> None:
     assert list(rank_pool_module._shared.values()) == [big]
     fresh = shared_pool(2, timeout=30)  # asked again: started anew, not the closed one
     assert fresh is not first and set(fresh.run(_pid)).isdisjoint(pids)
+
+
+def _die_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)  # a crash: no exception, no result
+    return rank
+
+
+def test_a_rank_that_dies_fails_the_case_and_the_pool_restarts() -> None:
+    pool = shared_pool(2, env={"HP_RANK_POOL_TEST": "dies"})
+    first = pool.run(_pid)
+    with pytest.raises(RankError, match=r"(?s)raised on ranks \[1\] \(ranks \[1\] died; pool restarted\).*exit code 3"):
+        pool.run(_die_on_rank_1)
+    again = pool.run(_pid)  # whole ranks again, not a pool with a dead member
+    assert pool.restarts == 1 and set(again).isdisjoint(first)
+
+
+def test_shared_ranks_out_of_step_are_not_handed_on() -> None:
+    import signal
+
+    pool = shared_pool(2, env={"HP_RANK_POOL_TEST": "handed-on"})
+    pids = pool.run(_pid)
+    os.kill(pids[1], signal.SIGKILL)  # killed between modules (say, by the OOM killer)
+    for _ in range(100):
+        if not pool._procs[1].is_alive():
+            break
+        time.sleep(0.05)
+    rank_pool_module._hand_on(pool)
+    assert not pool.started and all(kept is not pool for kept in rank_pool_module._shared.values())

@@ -147,6 +147,11 @@ class RankPool:
         self.restarts = 0
 
     # ----- lifecycle -----
+    @property
+    def started(self) -> bool:
+        """Whether the ranks are running (a pool starts on its first ``run``)."""
+        return bool(self._procs)
+
     def start(self) -> None:
         if self._procs:
             return
@@ -263,12 +268,14 @@ class RankPool:
         got = self._collect(case_id, limit)
         failed = sorted(r for r, (ok, _) in got.items() if not ok)
         missing = sorted(set(range(self.world_size)) - set(got))
-        if missing:
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if missing or dead:  # the next case gets whole, fresh ranks
             self.close(force=True)
             self.restarts += 1
         if failed:
             detail = "\n".join(f"--- rank {r} ---\n{got[r][1]}" for r in failed)
             extra = f" (ranks {missing} did not finish; pool restarted)" if missing else ""
+            extra += f" (ranks {dead} died; pool restarted)" if dead and not missing else ""
             raise RankError(f"{name} raised on ranks {failed}{extra}\n{detail}")
         if missing:
             raise RankTimeout(
@@ -314,6 +321,30 @@ def shared_pool(world_size: int, *, timeout: float = 60.0, env: dict[str, str] |
     return pool
 
 
+def _in_step(rank: int, world_size: int) -> bool:
+    from hp_dtensor.platform import current
+
+    plat = current()
+    if world_size > 1:
+        plat.COLLECTIVES.barrier(plat.get_or_create_group(tuple(range(world_size))), world_size)
+    return True
+
+
+def _hand_on(pool: RankPool) -> None:
+    """Before a module's shared ranks go to the next module: one barrier on all of them.  Ranks a
+    failed case left out of step (one still inside a collective the others left) are closed here,
+    so the failure stays with the module that caused it."""
+    if not pool.started:
+        return
+    try:
+        pool.run(_in_step, timeout=30)
+    except (RankError, RankTimeout):
+        for key, kept in list(_shared.items()):
+            if kept is pool:
+                del _shared[key]
+        pool.close(force=True)
+
+
 def rank_pool_fixture(world_size: int, *, timeout: float = 60.0, env: dict[str, str] | None = None,
                       fresh: bool = False) -> Any:
     """A module-scoped pytest fixture yielding a started ``RankPool``.  By default the ranks are
@@ -325,7 +356,9 @@ def rank_pool_fixture(world_size: int, *, timeout: float = 60.0, env: dict[str, 
     @pytest.fixture(scope="module")
     def _pool() -> Iterator[RankPool]:
         if not fresh:
-            yield shared_pool(world_size, timeout=timeout, env=env)
+            pool = shared_pool(world_size, timeout=timeout, env=env)
+            yield pool
+            _hand_on(pool)
             return
         pool = RankPool(world_size, timeout=timeout, env=env)
         try:
