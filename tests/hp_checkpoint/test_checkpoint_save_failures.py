@@ -111,21 +111,21 @@ def _fsync_fails_on_rank_1(rank: int, world: int, root: str) -> dict[str, Any]:
     reported on the background thread that seals them)."""
     import torch.distributed as dist
 
-    from hp_checkpoint import file_seal
+    from hp_checkpoint import manifest
     from hp_checkpoint.atomic import save_checkpoint
 
     save_checkpoint(_state(), root, 1)
-    real = file_seal.fsync_file
+    real = manifest.fsync_file
 
     def broken(path: str) -> None:
         raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
     if rank == 1:
-        file_seal.fsync_file = broken
+        manifest.fsync_file = broken
     try:
         out: dict[str, Any] = {"dcp": _try(lambda: save_checkpoint(_state(), root, 2))}
     finally:
-        file_seal.fsync_file = real
+        manifest.fsync_file = real
     dist.barrier()
     out["left"] = sorted(os.listdir(root))
     out["retry"] = _try(lambda: save_checkpoint(_state(), root, 2))

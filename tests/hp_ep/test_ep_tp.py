@@ -119,7 +119,7 @@ def test_ep_tp_model_three_adamw_steps_match_one_process(tp: int, ep: int, pool4
 def test_without_sequence_parallel_each_block_still_takes_its_tp_share(tp: int, ep: int, pool4) -> None:
     """Replicated activations between blocks: each MoE block cuts its 1/tp of the tokens at entry
     and gathers them at exit, so no token is routed twice (the conservation check in the case)."""
-    results = pool4.run(_ep_tp_case, tp, ep, 13, False, False)
+    results = pool4.run(_ep_tp_case, tp, ep, 13, sp=False)
     assert all(r["expert_share"] == 1 / ep for r in results)
     print(f"\nno sequence parallel, ep={ep} x tp={tp}: 3 AdamW steps equal one process, each token copy routed "
           f"once; worst |loss diff| {max(r['loss'] for r in results):.2e}, |grad diff| "

@@ -10,11 +10,10 @@ durable and checksummed.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 
-from hp_checkpoint.manifest import FileEntry, checked_relpath, file_entry, fsync_file
+from hp_checkpoint.manifest import FileEntry, checked_relpath, file_entries
 
 
 class FileSeal:
@@ -22,7 +21,9 @@ class FileSeal:
     started at construction; ``result()`` waits for it."""
 
     def __init__(self, directory: str, relpaths: Iterable[str]) -> None:
-        self._paths = {rel: os.path.join(directory, checked_relpath(rel, directory)) for rel in relpaths}
+        self._directory = directory
+        # a name that leaves the directory fails here, on the caller's thread
+        self._relpaths = [checked_relpath(rel, directory) for rel in relpaths]
         self._entries: dict[str, FileEntry] = {}
         self._error: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="hp-checkpoint-seal", daemon=True)
@@ -30,9 +31,7 @@ class FileSeal:
 
     def _run(self) -> None:
         try:
-            for rel, path in self._paths.items():
-                fsync_file(path)
-                self._entries[rel] = file_entry(path)
+            self._entries = file_entries(self._directory, self._relpaths)  # fsync, then size and sha256
         except OSError as e:  # a disk error reaches the caller of result(), on its thread
             self._error = e
 
