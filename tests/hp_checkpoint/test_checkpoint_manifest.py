@@ -20,6 +20,7 @@ from hp_checkpoint.manifest import (
     Framework,
     Manifest,
     TensorEntry,
+    check_checksums,
     check_tensor,
     check_tensors,
     commit,
@@ -76,6 +77,42 @@ def test_damaged_byte_is_refused_naming_the_file(tmp_path: object) -> None:
     verify_checkpoint(path, check_hashes=False)  # same size: only the checksum sees it
     with pytest.raises(CheckpointError, match=r"file '__0_0\.distcp' is corrupted: its sha256"):
         verify_checkpoint(path)
+
+
+def test_checksum_shares_cover_every_file_once(tmp_path: object) -> None:
+    """Ranks that each check their share of the checksums together find any one damaged file:
+    exactly one share of n reports it, for each file and each n."""
+    path = _save(str(tmp_path), 1)
+    for i in range(5):  # three more files: five in all
+        with open(os.path.join(path, f"extra-{i}"), "wb") as f:
+            f.write(bytes([i]) * 100)
+    m = read_manifest(path)
+    m = Manifest(m.framework, m.kind, m.step, {**m.files, **file_entries(path, [f"extra-{i}" for i in range(5)])},
+                 m.tensors, m.extra)
+    names = sorted(m.files)
+    trials = 0
+    for victim in names:
+        target = os.path.join(path, victim)
+        original = open(target, "rb").read()
+        with open(target, "r+b") as f:
+            f.write(bytes([original[0] ^ 1]))
+        for n in (1, 2, 3, 4, 8):
+            found = []
+            for i in range(n):
+                try:
+                    check_checksums(path, m, share=(i, n))
+                except CheckpointError as e:
+                    assert f"file {victim!r} is corrupted" in str(e), e
+                    found.append(i)
+            assert len(found) == 1, (victim, n, found)
+            trials += 1
+        with open(target, "wb") as f:
+            f.write(original)
+    check_checksums(path, m)
+    for bad in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="share must be"):
+            check_checksums(path, m, share=bad)
+    print(f"\nchecksum shares: {trials} (file, ranks) trials, each damaged file found by exactly one share")
 
 
 def test_truncated_file_is_refused(tmp_path: object) -> None:

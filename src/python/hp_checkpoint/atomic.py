@@ -38,10 +38,10 @@ from hp_checkpoint.manifest import (
     Framework,
     Manifest,
     TensorEntry,
+    check_checksums,
     check_tensors,
     commit,
     describe_os_error,
-    file_entry,
     new_nonce,
     newest_complete,
     prune,
@@ -218,15 +218,7 @@ def verify_sharded(path: str, state_dict: Mapping[str, Any] | None = None, *, st
                 f"checkpoint {path} holds {manifest.kind} files written by {manifest.framework}; "
                 f"this loads {CheckpointKind.DCP} checkpoints of {plat.NAME}"
             )
-        names = sorted(manifest.files)
-        for i in range(rank, len(names), world):
-            got = file_entry(os.path.join(path, names[i]))
-            if got.sha256 != manifest.files[names[i]].sha256:
-                raise CheckpointError(
-                    f"checkpoint {path}: file {names[i]!r} is corrupted: its sha256 is {got.sha256[:16]}..., "
-                    f"the manifest says {manifest.files[names[i]].sha256[:16]}...; the checkpoint is "
-                    f"damaged: use another checkpoint"
-                )
+        check_checksums(path, manifest, share=(rank, world))
         if state_dict is not None:
             expected = {k: (v.shape, v.dtype) for k, v in tensor_entries(state_dict, dcp.tensor_meta).items()}
             check_tensors(manifest, expected, strict=strict, where=path)

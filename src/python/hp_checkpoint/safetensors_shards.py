@@ -48,6 +48,7 @@ from hp_checkpoint.manifest import (
     Framework,
     Manifest,
     TensorEntry,
+    check_checksums,
     check_tensors,
     commit,
     describe_os_error,
@@ -326,13 +327,14 @@ def _numel(sizes: Sequence[int]) -> int:
 
 
 def verify_everywhere(directory: str) -> Manifest:
-    """Collective: ``verify_checkpoint`` with sizes on every rank and checksums on rank 0; the
-    first failure is raised on every rank."""
+    """Collective: ``verify_checkpoint`` with sizes on every rank and the checksums spread over
+    the ranks (each reads 1/world of the files); the lowest rank's failure is raised on every rank."""
     prims = transfer_primitives()
     manifest: Manifest | None = None
     error = None
     try:
-        manifest = verify_checkpoint(directory, check_hashes=prims.rank() == 0)
+        manifest = verify_checkpoint(directory, check_hashes=False)
+        check_checksums(directory, manifest, share=(prims.rank(), prims.world_size()))
     except CheckpointError as e:
         error = str(e)
     errors = [e for e in prims.all_gather_object(error) if e is not None]
