@@ -1,12 +1,13 @@
 """The trainer's checkpoint, save and load, 2 gloo ranks, tp=2 Qwen3.5 with AdamW state, same run:
-the atomic sharded path (each rank writes its own DCP shards, checksums, manifest, rename; load
-verifies every checksum first) against the old path (full weights gathered to rank 0 and
-written as HF safetensors, optimizer state as one ``torch.save`` file per rank; load reads the
-HF file's slices and each rank's optimizer file), and against plain ``torch.distributed.checkpoint``
-(``dcp.save`` / ``dcp.load`` of the same state dict, no checksums, no manifest, no rename: the
-format's own speed, the anchor users compare with), and the framework-neutral
-``safetensors-shards`` format (``save_shards`` / ``load_shards``: as atomic and verified as the
-trainer's path, its candidate replacement).
+its default path (``new``: atomic ``safetensors-shards``, each rank writes one safetensors file of
+its own boxes, checksums, manifest, rename; load verifies every checksum first) and its DCP path
+(``atomic``: the same commit over ``torch.distributed.checkpoint``'s files, the default under
+pipeline parallelism) against the old path (full weights gathered to rank 0 and written as HF
+safetensors, optimizer state as one ``torch.save`` file per rank; load reads the HF file's slices
+and each rank's optimizer file), and against plain ``torch.distributed.checkpoint`` (``dcp.save``
+/ ``dcp.load`` of the same state dict, no checksums, no manifest, no rename: the format's own
+speed, the anchor users compare with).  The trainer's paths keep one step (``keep=1``), as a
+long run does: each save also prunes the one before.
 
 Printed per model size: seconds per GB-equivalent of state (model + AdamW moments, global fp32
 bytes), median of repeated saves/loads interleaved so machine noise hits both alike, and the
@@ -28,6 +29,7 @@ from typing import Any
 from hp_dtensor.testing import RankPool
 
 REPEATS = 5
+PATHS = ("new", "atomic", "old", "dcp")  # the trainer's default, its DCP path, the old path, plain DCP
 SIZES = {"tiny (4 layers, vocab 1k)": {}, "wider (8 layers, vocab 16k)": {"num_hidden_layers": 8, "vocab_size": 16384}}
 
 
@@ -97,23 +99,6 @@ def _plain_load(dcp: Any, state_of: Any, model: Any, opt: Any, path: str) -> Non
     set_optimizer_state_dict(model, opt, state["optim"])
 
 
-def _shards_save(save_shards: Any, state: dict[str, Any], root: str, step: int, rank: int) -> None:
-    """``save_shards`` keeping only the newest step, as the trainer's ``keep=1`` does."""
-    from hp_checkpoint import prune
-
-    save_shards(state, root, step)
-    if rank == 0:
-        prune(root, 1)
-
-
-def _shards_load(load_shards: Any, state_of: Any, model: Any, opt: Any, root: str, step: int) -> None:
-    from hp_checkpoint.dcp import set_optimizer_state_dict
-
-    state = state_of(model, opt)
-    load_shards(state, os.path.join(root, f"step-{step:08d}"))
-    set_optimizer_state_dict(model, opt, state["optim"])
-
-
 def _timed(fn: Any) -> float:
     import torch.distributed as dist
 
@@ -129,50 +114,42 @@ def _bench(rank: int, world: int, overrides: dict[str, Any], folder: str) -> dic
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from hp_checkpoint import load_shards, save_shards
+    from hp_checkpoint.manifest import CheckpointKind
     from hp_models.qwen3_5 import Qwen3_5StateDictAdapter
     from hp_models.train_checkpoint import _state, load_train_state, save_train_state
 
     config, model, opt = _build(overrides)
     adapter = Qwen3_5StateDictAdapter(config)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # params + 2 moments
-    times: dict[str, list[float]] = {f"{path} {op}": [] for op in ("save", "load")
-                                     for path in ("new", "old", "dcp", "shards")}
-    root = os.path.join(folder, "new")
+    times: dict[str, list[float]] = {f"{path} {op}": [] for op in ("save", "load") for path in PATHS}
+    trainer = {"new": (os.path.join(folder, "new"), CheckpointKind.SAFETENSORS_SHARDS),
+               "atomic": (os.path.join(folder, "atomic"), CheckpointKind.DCP)}
     old = os.path.join(folder, "old")
     plain = os.path.join(folder, "dcp")
-    shards = os.path.join(folder, "shards")
     want = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+    def restored(load: Any) -> float:
+        """Time ``load`` into zeroed parameters, and check it restored every one."""
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        took = _timed(load)
+        bad = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), want[n])]
+        assert not bad, f"a load did not restore {bad[:3]}"
+        return took
+
     for r in range(REPEATS):
-        times["new save"].append(_timed(lambda step=r + 1: save_train_state(
-            root, model, opt, step, [1.0], seed=0, keep=1, layout={"tp": 2})))
+        for path, (root, fmt) in trainer.items():
+            times[f"{path} save"].append(_timed(lambda step=r + 1, root=root, fmt=fmt: save_train_state(
+                root, model, opt, step, [1.0], seed=0, keep=1, layout={"tp": 2}, fmt=fmt)))
         times["old save"].append(_timed(lambda: _old_save(adapter, model, opt, old, rank)))
         plain_r = f"{plain}-{r}"  # a fresh directory each repeat: dcp.save warns when it overwrites
         times["dcp save"].append(_timed(lambda path=plain_r: dcp.save(_state(model, opt), checkpoint_id=path)))
-        times["shards save"].append(_timed(lambda step=r + 1: _shards_save(save_shards, _state(model, opt), shards,
-                                                                           step, rank)))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        times["new load"].append(_timed(lambda: load_train_state(root, model, opt, seed=0, announce=False)))
-        ok_new = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        times["old load"].append(_timed(lambda: _old_load(adapter, model, opt, old, rank)))
-        ok_old = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        times["dcp load"].append(_timed(lambda path=plain_r: _plain_load(dcp, _state, model, opt, path)))
-        ok_dcp = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        times["shards load"].append(_timed(lambda step=r + 1: _shards_load(load_shards, _state, model, opt,
-                                                                           shards, step)))
-        ok_shards = all(torch.equal(p.full_tensor(), want[n]) for n, p in model.named_parameters())
-        assert ok_new and ok_old and ok_dcp and ok_shards, (ok_new, ok_old, ok_dcp, ok_shards)
+        for path, (root, _) in trainer.items():
+            times[f"{path} load"].append(restored(lambda root=root: load_train_state(root, model, opt, seed=0,
+                                                                                      announce=False)))
+        times["old load"].append(restored(lambda: _old_load(adapter, model, opt, old, rank)))
+        times["dcp load"].append(restored(lambda path=plain_r: _plain_load(dcp, _state, model, opt, path)))
         if rank == 0:
             shutil.rmtree(plain_r, ignore_errors=True)
     dist.barrier()
@@ -183,8 +160,9 @@ def main() -> None:
     cores = os.cpu_count()
     print(f"checkpoint save/load, 2 gloo ranks (tp=2), {cores} cores, median of {REPEATS}; s/GB = seconds per GB "
           f"of model + AdamW state")
-    print(f"{'model':28s} {'GB':>6s} {'new save':>9s} {'old':>6s} {'dcp':>6s} {'shards':>6s} {'old/new':>7s} "
-          f"{'dcp/new':>7s} {'new load':>9s} {'old':>6s} {'dcp':>6s} {'shards':>6s} {'old/new':>7s} {'dcp/new':>7s}")
+    heads = " ".join(f"{h:>6s}" for h in PATHS[1:])
+    print(f"{'model':28s} {'GB':>6s} {'new save':>9s} {heads} {'old/new':>7s} {'dcp/new':>7s} "
+          f"{'new load':>9s} {heads} {'old/new':>7s} {'dcp/new':>7s}")
     with RankPool(2, timeout=1200) as pool:
         for name, overrides in SIZES.items():
             folder = tempfile.mkdtemp(prefix="hp-ckpt-bench-")
@@ -196,11 +174,13 @@ def main() -> None:
             med = {k: statistics.median(v) / gb for k, v in r0["times"].items()}
             cols = []
             for op in ("save", "load"):
-                new, old_, dcp_, sh = (med[f"{path} {op}"] for path in ("new", "old", "dcp", "shards"))
-                cols.append(f"{new:9.2f} {old_:6.2f} {dcp_:6.2f} {sh:6.2f} {old_ / new:6.2f}x {dcp_ / new:6.2f}x")
+                new, *rest = (med[f"{path} {op}"] for path in PATHS)
+                others = " ".join(f"{v:6.2f}" for v in rest)
+                cols.append(f"{new:9.2f} {others} {med[f'old {op}'] / new:6.2f}x {med[f'dcp {op}'] / new:6.2f}x")
             print(f"{name:28s} {gb:6.3f} {' '.join(cols)}")
-    print("ratios above 1: the trainer's atomic path (new) is faster. Unlike old and plain dcp, new and shards fsync "
-          "and checksum every file and commit by rename, and their loads verify every checksum before reading.")
+    print("new = the trainer's default (safetensors-shards), atomic = its DCP path (pipeline parallelism). Ratios "
+          "above 1: new is faster. Unlike old and plain dcp, new and atomic fsync and checksum every file and "
+          "commit by rename, and their loads verify every checksum before reading.")
 
 
 if __name__ == "__main__":

@@ -59,11 +59,24 @@ def test_short_run_learns_matches_tp1_and_resumes(tmp_path) -> None:
     # sharded checkpoints at steps 6 and 12 (--keep 2), each complete with its manifest
     assert sorted(os.listdir(full / "checkpoint")) == ["step-00000006", "step-00000012"]
     manifest = json.loads((full / "checkpoint" / "step-00000012" / "manifest.json").read_text())
-    assert manifest["extra"]["losses"] == losses and manifest["kind"] == "dcp"
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} == set(manifest["files"])
+    # the default format at pp=1: one safetensors file per rank
+    assert manifest["extra"]["user"]["losses"] == losses and manifest["kind"] == "safetensors-shards"
+    assert {"shard-rank00000.safetensors", "shard-rank00001.safetensors"} == set(manifest["files"])
     # interrupted after 6 steps, then resumed to 12: the same losses, bit for bit
     part = tmp_path / "part"
     assert train.main(["--steps", "6", "--checkpoint-every", "6", "--out-dir", str(part), *SHORT]) == 0
     assert train.main(["--steps", "12", "--checkpoint-every", "6", "--out-dir", str(part), "--resume", *SHORT]) == 0
     resumed = json.loads((part / "log.json").read_text())
     assert resumed["resumed_from_step"] == 6 and resumed["losses"] == losses
+
+
+def test_checkpoint_format_default_is_shards_and_dcp_under_pipeline_parallelism() -> None:
+    """safetensors-shards unless asked otherwise, except that a torch run with pp > 1 saves DCP (a
+    stage holds only its own layers); MindSpore always saves shards."""
+    from hp_checkpoint.manifest import CheckpointKind
+
+    plain = train.parse_args([])
+    assert plain.save_format(1) is CheckpointKind.SAFETENSORS_SHARDS
+    assert plain.save_format(2) is CheckpointKind.DCP
+    assert train.parse_args(["--checkpoint-format", "dcp"]).save_format(1) is CheckpointKind.DCP
+    assert train.parse_args(["--backend", "mindspore"]).save_format(1) is CheckpointKind.SAFETENSORS_SHARDS

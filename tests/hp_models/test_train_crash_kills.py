@@ -1,4 +1,6 @@
 """The trainer under real ``kill -9`` from outside (tiny model, tp=2 on 2 spawned ranks, 6 steps).
+Its checkpoints are DCP here, the format of pipeline-parallel runs (the default format's kills
+at each point of a save are ``test_train_crash_save_points.py``'s).
 
 - Ranks killed at random moments of a run that checkpoints every step: the job stops, the
   checkpoint before it is never lost, and every checkpoint left is, file for file, the
@@ -23,6 +25,7 @@ from typing import Any
 
 import pytest
 from train_crash_harness import (
+    DCP,
     STEPS,
     alive,
     rank_pids,
@@ -42,7 +45,7 @@ RANDOM_TRIALS = 4
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], Path]:
-    return reference_run()
+    return reference_run(DCP)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -56,7 +59,7 @@ def test_kill_a_rank_at_random_moments(reference: tuple[list[float], Path], tmp_
     left: list[int] = []
     for t in range(RANDOM_TRIALS):
         out = tmp_path / f"random-{t}"
-        proc = start(out, STEPS, "--checkpoint-every", "1")
+        proc = start(out, STEPS, "--checkpoint-every", "1", *DCP)
         root = out / "checkpoint"
         first = root / "step-00000001" / "manifest.json"
         assert wait_for(first.exists, 240), "no first checkpoint"
@@ -81,7 +84,7 @@ def test_kill_a_rank_at_random_moments(reference: tuple[list[float], Path], tmp_
         lost += 0 if newest >= before else 1
         left.append(newest)
         if trials == 0:
-            assert resume(out, path, newest) == ref_losses
+            assert resume(out, path, newest, *DCP) == ref_losses
         trials += 1
         assert wait_for(lambda pids=ranks: not any(alive(p) for p in pids), 30)
     with capsys.disabled():

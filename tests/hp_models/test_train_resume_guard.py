@@ -22,6 +22,7 @@ import pytest
 
 from hp_checkpoint.manifest import read_manifest
 from hp_models import train
+from hp_models.trainer.resume import trainer_extra
 
 SHORT = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2", "--tp", "1"]
 
@@ -49,7 +50,7 @@ def test_a_fresh_run_does_not_mix_with_another_runs_checkpoints(tmp_path: Path) 
     # --overwrite: the earlier run's steps go, the new run keeps its own
     assert _main(out, "--steps", "1", "--checkpoint-every", "1", "--seed", "3", "--overwrite") == 0
     assert sorted(os.listdir(ckpt)) == ["step-00000001"]
-    assert read_manifest(str(ckpt / "step-00000001")).extra["run"]["seed"] == 3
+    assert trainer_extra(read_manifest(str(ckpt / "step-00000001")))["run"]["seed"] == 3
     with pytest.raises(SystemExit):
         train.parse_args(["--resume", "--overwrite"])
 
@@ -77,12 +78,12 @@ def test_resume_names_what_it_skips_and_a_damaged_file_is_one_line(tmp_path: Pat
     assert f"resuming from {ckpt}/step-00000001 (step 1," in err, err
 
     # a damaged file: one line, naming it and what to do, exit code 1
-    _flip_a_byte(ckpt / "step-00000002" / "__0_0.distcp")
+    _flip_a_byte(ckpt / "step-00000002" / "shard-rank00000.safetensors")
     assert _main(out, "--steps", "3", "--resume") == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
-    assert f"checkpoint {ckpt}/step-00000002: file '__0_0.distcp' is corrupted" in errors[0], errors
+    assert f"checkpoint {ckpt}/step-00000002: file 'shard-rank00000.safetensors' is corrupted" in errors[0], errors
     assert f"move {ckpt}/step-00000002 out of {ckpt} to resume from the checkpoint before it" in errors[0], errors
 
     # the same from 2 spawned ranks (tp=2: the layout may change on resume): one line, once
@@ -96,6 +97,6 @@ def test_resume_names_what_it_skips_and_a_damaged_file_is_one_line(tmp_path: Pat
     assert done.returncode == 1, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert "file '__0_0.distcp' is corrupted" in errors[0] and "--resume: move" in errors[0], errors
+    assert "file 'shard-rank00000.safetensors' is corrupted" in errors[0] and "--resume: move" in errors[0], errors
     assert "layout changed since the save: " in done.stderr and "tp 1 -> 2" in done.stderr, done.stderr[-3000:]
     assert [n for n in os.listdir(tmp) if n.startswith("hp-train-")] == []

@@ -3,7 +3,8 @@
 the format MindSpore reads too) on one process: a run of 3 steps, stopped after step 1 and resumed,
 gives the straight run's losses bit for bit; the checkpoint holds the model, AdamW's moments and
 step count and the generator state.  Pipeline parallelism (each stage holds its own layers) is
-refused with this format before any rank starts.  (Resharding and crossing
+refused with this format before any rank starts.  A run saved in DCP and resumed in the default
+format (safetensors-shards) continues the straight run bit for bit, its old steps pruned.  (Resharding and crossing
 to MindSpore on real ranks: ``tests/hp_models/mindspore/test_train_ms_torch_resume.py``.)"""
 
 from __future__ import annotations
@@ -53,3 +54,18 @@ def test_pipeline_parallelism_is_refused_before_any_rank_starts(tmp_path: Path) 
     assert msg.startswith("error: --checkpoint-format safetensors-shards with pipeline_parallel=2"), msg
     assert "use --checkpoint-format dcp" in msg, msg
     assert not (tmp_path / "checkpoint").exists()
+
+
+def test_a_dcp_run_resumed_in_the_default_format(tmp_path: Path, capsys) -> None:
+    flags = [a for a in SHORT if a not in ("--checkpoint-format", "safetensors-shards")]
+    straight = tmp_path / "straight"
+    assert train.main(["--out-dir", str(straight), *flags, "--steps", "4"]) == 0
+    out = tmp_path / "run"
+    assert train.main(["--out-dir", str(out), *flags, "--steps", "2", "--checkpoint-format", "dcp"]) == 0
+    assert train.main(["--out-dir", str(out), *flags, "--steps", "4", "--resume", "--keep", "2"]) == 0
+    assert "checkpoint (safetensors-shards) in" in capsys.readouterr().out
+    assert json.loads((out / "log.json").read_text())["losses"] == json.loads((straight / "log.json").read_text())[
+        "losses"]
+    kinds = {d: json.loads((out / "checkpoint" / d / "manifest.json").read_text())["kind"]
+             for d in sorted(os.listdir(out / "checkpoint"))}
+    assert kinds == {"step-00000003": "safetensors-shards", "step-00000004": "safetensors-shards"}, kinds

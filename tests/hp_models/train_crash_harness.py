@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hp_checkpoint.manifest import verify_checkpoint
+from hp_models.trainer.resume import trainer_extra
 
 STEPS = 6
 FLAGS = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2"]
@@ -101,26 +102,33 @@ def losses(out: Path) -> list[float]:
     return list(json.loads((out / "log.json").read_text())["losses"])
 
 
+# A crash test's checkpoint format: the default (safetensors-shards at pp=1), or DCP (the format
+# under pipeline parallelism) asked for by flag.
+SHARDS: tuple[str, ...] = ()
+DCP = ("--checkpoint-format", "dcp")
+
+
 @functools.cache
-def reference_run() -> tuple[list[float], Path]:
-    """The uninterrupted run: 6 steps, a checkpoint after every step, all kept.  Run once per
-    process: the crash test files batched into one pytest process share it."""
+def reference_run(fmt: tuple[str, ...] = SHARDS) -> tuple[list[float], Path]:
+    """The uninterrupted run in format ``fmt``: 6 steps, a checkpoint after every step, all kept.
+    Run once per process and format: the crash test files batched into one pytest process share it."""
     out = Path(tempfile.mkdtemp(prefix="hp-crash-reference-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
-    done = run(out, STEPS, "--checkpoint-every", "1", "--keep", str(STEPS))
+    done = run(out, STEPS, "--checkpoint-every", "1", "--keep", str(STEPS), *fmt)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(out), out / "checkpoint"
 
 
 def same_as_reference(path: str, ref_root: Path) -> None:
     """A checkpoint left by a crashed run is, file for file, the uninterrupted run's checkpoint of
-    the same step (shard files are deterministic at one layout; ``.metadata`` holds a save id),
-    with the same losses: model, optimizer, generator and data position all equal, no mix."""
+    the same step (data files are deterministic at one layout; DCP's ``.metadata`` holds a save
+    id), with the same losses: model, optimizer, generator and data position all equal, no mix."""
     got = verify_checkpoint(path)
     want = verify_checkpoint(str(ref_root / os.path.basename(path)))
-    shards = {k: v for k, v in got.files.items() if k.endswith(".distcp")}
-    assert shards and shards == {k: v for k, v in want.files.items() if k.endswith(".distcp")}, path
-    assert got.extra["losses"] == want.extra["losses"] and got.tensors == want.tensors, path
+    assert got.kind == want.kind, path
+    data = {k: v for k, v in got.files.items() if k != ".metadata"}
+    assert data and data == {k: v for k, v in want.files.items() if k != ".metadata"}, path
+    assert trainer_extra(got)["losses"] == trainer_extra(want)["losses"] and got.tensors == want.tensors, path
 
 
 def resume(out: Path, path: str, step: int, *layout: str, announced: tuple[str, ...] = ()) -> list[float]:

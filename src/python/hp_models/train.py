@@ -20,17 +20,18 @@ tokens/s, peak memory per rank) to ``--out-dir``.  The learning rate follows the
 ``max_grad_norm`` clips the gradients by their global norm over every mesh dim.
 
 Checkpoints go to ``--checkpoint-dir`` as ``step-<N>/`` directories: sharded (each rank writes its
-own shards through ``torch.distributed.checkpoint``, or with ``--checkpoint-format
-safetensors-shards`` one safetensors file per rank), atomic (staging directory, fsync, a manifest
-with checksums written last, rename) and holding the model, the AdamW state keyed by parameter
-name, the step, the generator state, the data position and the losses so far; the newest
-``--keep`` complete ones are kept.  ``--resume`` continues from the newest complete checkpoint,
-under any parallelism (the state reshards on load), after verifying it and checking that it was
-saved by the same run (seed, learning rate, model config, batch and sequence sizes); a fresh run
-refuses a directory that holds another run's checkpoints unless told ``--overwrite``.  Spawned
-ranks stop when the launcher dies, and the launcher stops when a rank dies, naming the rank that
-died first and how.  Errors a user can fix (a damaged checkpoint, a full or read-only disk, a file
-where a directory should be) end the command with one line saying what to do.
+own shards: one safetensors file per rank, ``--checkpoint-format safetensors-shards``, the default;
+or through ``torch.distributed.checkpoint``, ``dcp``, the default under pipeline parallelism),
+atomic (staging directory, fsync, a manifest with checksums written last, rename) and holding the
+model, the AdamW state keyed by parameter name, the step, the generator state, the data position
+and the losses so far; the newest ``--keep`` complete ones are kept. ``--resume`` continues from
+the newest complete checkpoint, under any parallelism (the state reshards on load), after verifying
+it and checking that it was saved by the same run (seed, learning rate, model config, batch and
+sequence sizes); a fresh run refuses a directory that holds another run's checkpoints unless told
+``--overwrite``. Spawned ranks stop when the launcher dies, and the launcher stops when a rank
+dies, naming the rank that died first and how. Errors a user can fix (a damaged checkpoint, a full
+or read-only disk, a file where a directory should be) end the command with one line saying what to
+do.
 
 ``--backend mindspore`` (or ``HYPER_PARALLEL_PLATFORM=mindspore``) trains the same job on MindSpore
 (``hp_models.trainer.mindspore``): mccl CPU ranks started as ``msrun`` starts them, or this

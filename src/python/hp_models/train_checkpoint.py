@@ -1,6 +1,6 @@
 """The trainer's checkpoint on torch: everything a resumed run needs to continue the loss curve exactly.
 
-In the DCP format (``--checkpoint-format dcp``, torch's default) it is saved through
+In the DCP format (``--checkpoint-format dcp``, the default under pipeline parallelism) it is saved through
 ``hp_checkpoint.atomic`` (sharded, atomic, verified):
 
 - ``model``: the parameters as the model holds them (DTensors: each rank writes its shards);
@@ -15,7 +15,7 @@ In the DCP format (``--checkpoint-format dcp``, torch's default) it is saved thr
   model config).  The learning rate of a step is a function of the step alone, so the schedule
   needs no state of its own.
 
-In the safetensors-shards format (``--checkpoint-format safetensors-shards``) the same state is
+In the safetensors-shards format (``--checkpoint-format safetensors-shards``, the default) the same state is
 saved in the layout both backends share (``hp_models.trainer.shards_checkpoint``), so a MindSpore
 run resumes it, and a torch run resumes a MindSpore run's.  A resume reads whichever format the
 newest checkpoint has.

@@ -79,7 +79,7 @@ def test_torch_to_mindspore_and_back_continue_the_torch_run(ms_pool: RankPool, t
 def test_mindspore_refuses_to_resume_a_dcp_checkpoint(torch_pool: RankPool, tmp_path) -> None:
     ckpt = tmp_path / "dcp"
     args, tp2 = job(["--backend", "torch", "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--tp", "2", "--nproc", "2",
-                     "--checkpoint-dir", str(ckpt)], 2, str(tmp_path / "t"))
+                     "--checkpoint-format", "dcp", "--checkpoint-dir", str(ckpt)], 2, str(tmp_path / "t"))
     torch_pool.run(torch_ranks, args, tp2)
     assert json.loads((ckpt / "step-00000001" / "manifest.json").read_text())["kind"] == "dcp"
     with pytest.raises(SystemExit) as e:

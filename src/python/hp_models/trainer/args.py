@@ -47,15 +47,19 @@ class Args:
     ac_every: int | None = None
     mixed_precision: str | None = None
     backend: Backend = Backend.TORCH  # --backend, else HYPER_PARALLEL_PLATFORM
-    # --checkpoint-format; None: the backend's (DCP on torch, safetensors-shards on MindSpore)
+    # --checkpoint-format; None: safetensors-shards, or DCP on torch under pipeline parallelism
     checkpoint_format: CheckpointKind | None = None
 
-    @property
-    def save_format(self) -> CheckpointKind:
-        """The format this run's checkpoints are written in."""
+    def save_format(self, pp: int) -> CheckpointKind:
+        """The format this run's checkpoints are written in, at pipeline degree ``pp``: the one asked
+        for, else safetensors-shards (one file per rank: faster to save and load than DCP's record
+        per tensor, and both frameworks resume it), except on torch under pipeline parallelism,
+        where a stage holds only its own layers and DCP is the format that can save it."""
         if self.checkpoint_format is not None:
             return self.checkpoint_format
-        return CheckpointKind.SAFETENSORS_SHARDS if self.backend is Backend.MINDSPORE else CheckpointKind.DCP
+        if pp > 1 and self.backend is Backend.TORCH:
+            return CheckpointKind.DCP
+        return CheckpointKind.SAFETENSORS_SHARDS
 
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> Args:
@@ -114,8 +118,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--checkpoint-format", choices=[k.value for k in CheckpointKind], default=None,
                    help="how checkpoints are written: dcp (torch.distributed.checkpoint; torch only) or "
                         "safetensors-shards (one safetensors file per rank; torch and MindSpore write and resume "
-                        "each other's); default: dcp on torch, safetensors-shards on MindSpore. --resume reads "
-                        "either")
+                        "each other's); default: safetensors-shards, dcp under pipeline parallelism (a stage holds only "
+                        "its own layers). --resume reads either")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir (any parallelism)")
     p.add_argument("--overwrite", action="store_true",

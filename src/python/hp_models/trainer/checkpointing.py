@@ -39,11 +39,11 @@ def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
     from hp_models.trainer.resume import resume_plan
 
     root = args.checkpoint_dir
-    if layout.pp > 1 and args.save_format == CheckpointKind.SAFETENSORS_SHARDS:
+    if layout.pp > 1 and args.save_format(layout.pp) == CheckpointKind.SAFETENSORS_SHARDS:
         # its save writes one tensor list for the whole job; a pipeline stage holds its own layers only
         sys.exit(f"error: --checkpoint-format safetensors-shards with pipeline_parallel={layout.pp}: that format "
                  f"needs every rank to hold every tensor (its own boxes of it), and a pipeline stage holds only its "
-                 f"own layers; use --checkpoint-format dcp (the torch default) with pipeline parallelism")
+                 f"own layers; use --checkpoint-format dcp (the default under pipeline parallelism)")
     if os.path.exists(root) and not os.path.isdir(root):
         sys.exit(f"error: --checkpoint-dir {root} is a file, not a directory; pass a directory (it is created "
                  f"if missing) or move the file away")

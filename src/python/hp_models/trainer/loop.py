@@ -68,7 +68,7 @@ def fit(args: Args, layout: TrainLayout, config: Any, rank: int, *, distributed:
             progress(step + 1, args.steps, value, lr, tokens / max(time.perf_counter() - t0, 1e-9))
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
             save_train_state(args.checkpoint_dir, model, opt, step + 1, losses, seed=args.seed, keep=args.keep,
-                             layout=layout.as_dict(), run=run, fmt=args.save_format)
+                             layout=layout.as_dict(), run=run, fmt=args.save_format(layout.pp))
     metrics.close()
     if show:
         sys.stderr.write("\n")

@@ -89,7 +89,7 @@ def print_summary(args: Args, layout: TrainLayout, result: dict[str, Any], log: 
         print(f"  largest |loss({layout.describe()}) - loss(1 process)| over the run: "
               f"{log['max_loss_diff_vs_single']:.2e}")
     tb = result.get("tensorboard_dir")
-    saved = f"checkpoint ({args.save_format}) in {args.checkpoint_dir}"
+    saved = f"checkpoint ({args.save_format(layout.pp)}) in {args.checkpoint_dir}"
     plot = (f"{os.path.join(args.out_dir, 'loss.png')}, " if _has_matplotlib()
             else "no loss.png (this Python has no matplotlib: pip install matplotlib), ")
     print(f"  wrote {plot}{os.path.join(args.out_dir, 'log.json')}, "
