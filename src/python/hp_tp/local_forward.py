@@ -8,14 +8,24 @@ still issue exactly the planned collectives, the parameters stay the same DTenso
 gradients come back with the parameters' placements), and any input not in the expected layout
 runs the module's own forward on DTensors as before.  Backends without local kernels keep the
 DTensor forward.
+
+Where a layer's plan takes a plain tensor in and gives one out (a Colwise layer on a replicated
+input with a local ``Shard(-1)`` output, a Rowwise one on a local shard with a replicated local
+output), no DTensor is made at all while the layer has no hooks but the style's: its pre-hook
+hands the forward a ``LocalIO`` (the input as is, or through the identity whose gradient is
+all-reduced, shared by every Colwise layer that takes the same input), and the forward's
+``LocalIO`` result leaves through the post-hook as the plain output (a Rowwise one all-reduced).
+The collectives are the same, on the same values, as the DTensor path's.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from hp_dtensor import DeviceMesh, Partial, Placement, Replicate, Shard
+from hp_dtensor.layout.shard_geometry import chunk_size_and_offset
 from hp_dtensor.platform import current as _platform
 from hp_tp.platform import local_layers
 
@@ -33,18 +43,62 @@ def _local(param: Any) -> Any:
     return None if param is None else param.to_local()
 
 
-def install_colwise(module: Any, mesh: DeviceMesh) -> None:
+class LocalIO:
+    """A plain local tensor passed between a styled layer's own hooks and its local forward.  No
+    other code sees one: the path is taken only while the layer has no hooks but the style's."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+Enter = Callable[[Any], "LocalIO | None"]
+# The style's forward pre-hook and forward hook: what ``only_own_hooks`` expects to find.
+_OWN_HOOKS = (1, 1)
+
+
+class _LastReplicated:
+    """The last plain input made ``replicate_input``: the next Colwise layer that takes the same
+    tensor (q/k/v, gate/up) reuses it, so its gradient is all-reduced once for all of them.
+    Checked by identity and in-place version, as the style's cache of annotated inputs is."""
+
+    ref: Any = None
+    key: tuple[Any, ...] = ()
+    value: Any = None
+
+
+def _replicated(k: Any, x: Any, mesh: DeviceMesh) -> Any:
+    if not (k.grad_enabled() and k.requires_grad(x)):
+        return x  # no gradient to reduce
+    version = k.version(x)
+    key = (mesh, version, k.inference_mode())
+    if version is not None and _LastReplicated.ref is not None and _LastReplicated.ref() is x \
+            and _LastReplicated.key == key:
+        return _LastReplicated.value
+    out = k.replicate_input(x, mesh)
+    if version is not None:
+        _LastReplicated.ref, _LastReplicated.key, _LastReplicated.value = weakref.ref(x), key, out
+    return out
+
+
+def install_colwise(module: Any, mesh: DeviceMesh, *, local_io: bool = False) -> Enter | None:
     """Linear (weight ``Shard(0)``) or Embedding (weight ``Shard(1)``): input Replicate, output
-    ``Shard(-1)``; no collective inside."""
+    ``Shard(-1)``; no collective inside.  With ``local_io`` (the plan takes a replicated plain
+    input and returns the local output), a Linear's pre-hook may call the returned ``enter`` on
+    a plain input: a ``LocalIO`` for the local path, or None (DTensors as usual)."""
     k = _kernels()
     if k is None:
-        return
+        return None
     plat = _platform()
     fallback = _dtensor_forward(module)
     replicate: tuple[Placement, ...] = (Replicate(),)
     out_pl = [Shard(-1)]
+    enter: Enter | None = None
     if k.is_plain_linear(module):
         def forward(x: Any) -> Any:
+            if type(x) is LocalIO:
+                return LocalIO(k.linear(x.value, module.weight.to_local(), _local(module.bias)))
             if not (isinstance(x, plat.DTensor) and x.placements == replicate):
                 return fallback(x)
             # Every rank uses the whole input: each rank's input gradient is a partial sum.
@@ -53,6 +107,12 @@ def install_colwise(module: Any, mesh: DeviceMesh) -> None:
             # The global shape, not local x n: out_features need not divide by the mesh.
             shape = tuple(x.shape[:-1]) + (module.weight.shape[0],)
             return plat.DTensor.from_local(y, mesh, out_pl, run_check=False, shape=shape)
+
+        if local_io:
+            def enter(x: Any) -> LocalIO | None:
+                if not (k.is_plain_tensor(x) and k.only_own_hooks(module, *_OWN_HOOKS)):
+                    return None
+                return LocalIO(_replicated(k, x, mesh))
     elif k.is_plain_embedding(module):
         def forward(x: Any) -> Any:
             if not (isinstance(x, plat.DTensor) and x.placements == replicate):
@@ -63,26 +123,44 @@ def install_colwise(module: Any, mesh: DeviceMesh) -> None:
             shape = tuple(x.shape) + (module.weight.shape[1],)
             return plat.DTensor.from_local(y, mesh, out_pl, run_check=False, shape=shape)
     else:
-        return
+        return None
     k.set_forward(module, forward)
+    return enter
 
 
-def install_rowwise(module: Any, mesh: DeviceMesh) -> None:
+def install_rowwise(module: Any, mesh: DeviceMesh, *, local_io: bool = False) -> Enter | None:
     """Linear (weight ``Shard(1)``, input ``Shard(-1)``, no bias) or Embedding (weight
-    ``Shard(0)``, ids Replicate): the output is this rank's partial sum, reduced by the style."""
+    ``Shard(0)``, ids Replicate): the output is this rank's partial sum, reduced by the style.
+    With ``local_io`` (the plan takes a plain local shard and returns the replicated local
+    output), a Linear's pre-hook may call the returned ``enter`` on a plain input: a ``LocalIO``
+    for the local path (the post-hook sums it with ``sum_partial``), or None."""
     k = _kernels()
     if k is None:
-        return
+        return None
     plat = _platform()
     fallback = _dtensor_forward(module)
     partial_pl = [Partial()]
+    enter: Enter | None = None
     if k.is_plain_linear(module) and module.bias is None:
         # (with a bias the DTensor forward adds it once; that path is kept)
         def forward(x: Any) -> Any:
+            if type(x) is LocalIO:
+                return LocalIO(k.linear(x.value, module.weight.to_local(), None))
             if not (isinstance(x, plat.DTensor) and _sharded_last(x.placements, x.ndim)):
                 return fallback(x)
             y = k.linear(x.to_local(), module.weight.to_local(), None)
             return plat.DTensor.from_local(y, mesh, partial_pl, run_check=False)
+
+        if local_io:
+            # this rank's share of in_features (torch.chunk's split, as the weight's Shard(1))
+            local_in, _ = chunk_size_and_offset(module.weight.shape[1], mesh.size(0), mesh.get_local_rank(0))
+
+            def enter(x: Any) -> LocalIO | None:
+                # an input whose last dim is not that share goes the DTensor way, which names it
+                if not (k.is_plain_tensor(x) and len(x.shape) > 0 and x.shape[-1] == local_in
+                        and k.only_own_hooks(module, *_OWN_HOOKS)):
+                    return None
+                return LocalIO(x)
     elif k.is_plain_embedding(module):
         replicate: tuple[Placement, ...] = (Replicate(),)
 
@@ -96,8 +174,16 @@ def install_rowwise(module: Any, mesh: DeviceMesh) -> None:
             y = k.vocab_slice_embedding(ids, module.weight.to_local(), start, module.padding_idx)
             return plat.DTensor.from_local(y, mesh, partial_pl, run_check=False)
     else:
-        return
+        return None
     k.set_forward(module, forward)
+    return enter
+
+
+def sum_partial(out: LocalIO, mesh: DeviceMesh) -> Any:
+    """A Rowwise layer's ``LocalIO`` output: its partial sums all-reduced, a plain tensor."""
+    k = _kernels()
+    assert k is not None  # a LocalIO comes only from a backend with local kernels
+    return k.sum_partial_output(out.value, mesh)
 
 
 def _sharded_last(placements: tuple[Placement, ...], ndim: int) -> bool:

@@ -104,11 +104,15 @@ def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, s
 
 
 def _prepare_first_input(layout: Placement, desired: Placement, module: Any, inputs: tuple[Any, ...],
-                         mesh: DeviceMesh) -> tuple[Any, ...]:
+                         mesh: DeviceMesh, enter: local_forward.Enter | None = None) -> tuple[Any, ...]:
     # Only the first positional input is converted, as in torch's styles; a tuple is returned because
     # MindSpore pre-hooks must return one.
     if not inputs:
         return inputs
+    if enter is not None:
+        local = enter(inputs[0])  # the local path: no DTensor, the same collectives
+        if local is not None:
+            return (local, *inputs[1:])
     return (_to_dtensor(inputs[0], mesh, layout, desired, _input_shape(module, inputs[0], layout)), *inputs[1:])
 
 
@@ -128,6 +132,8 @@ def _input_shape(module: Any, x: Any, layout: Placement) -> tuple[int, ...] | No
 
 def _finish_output(layout: Placement, use_local_output: bool, reduce_dtype: Any, module: Any, outputs: Any,
                    mesh: DeviceMesh) -> Any:
+    if type(outputs) is local_forward.LocalIO:  # a Colwise layer's local path: already the local output
+        return outputs.value
     if outputs.placements != (layout,):
         if reduce_dtype is not None and any(p.is_partial() for p in outputs.placements):
             # Reduce partial sums in higher precision; the output keeps reduce_dtype.
@@ -176,14 +182,16 @@ class ColwiseParallel(ParallelStyle):
             raise NotImplementedError(
                 f"ColwiseParallel currently only supports Linear and Embedding modules, got {type(module).__name__}"
             )
+        local_io = (device_mesh.ndim == 1 and self.input_layouts[0] == Replicate()
+                    and self.output_layouts[0] == Shard(-1) and self.use_local_output)
+        enter = local_forward.install_colwise(module, device_mesh, local_io=local_io)
         distribute_module(
             module,
             device_mesh,
             lambda n, m, mesh: self._partition(n, m, mesh) if m is module else None,
-            partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0]),
+            partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0], enter=enter),
             partial(_finish_output, self.output_layouts[0], self.use_local_output, None),
         )
-        local_forward.install_colwise(module, device_mesh)
         return module
 
     def __repr__(self) -> str:
@@ -212,6 +220,8 @@ class RowwiseParallel(ParallelStyle):
 
     def _output(self, module: Any, outputs: Any, mesh: DeviceMesh) -> Any:
         plat = _plat()
+        if type(outputs) is local_forward.LocalIO:  # the local path: sum the partial outputs
+            return local_forward.sum_partial(outputs, mesh)
         if not isinstance(outputs, plat.DTensor):
             if plat.is_embedding_module(module):
                 # A framework whose embedding returns a plain tensor on a vocab-sharded table:
@@ -242,14 +252,16 @@ class RowwiseParallel(ParallelStyle):
             raise NotImplementedError(
                 f"RowwiseParallel currently only supports Linear and Embedding modules, got {type(module).__name__}"
             )
+        local_io = (device_mesh.ndim == 1 and self.input_layouts[0] == Shard(-1)
+                    and self.output_layouts[0] == Replicate() and self.use_local_output and self.reduce_dtype is None)
+        enter = local_forward.install_rowwise(module, device_mesh, local_io=local_io)
         distribute_module(
             module,
             device_mesh,
             lambda n, m, mesh: _distribute_params(m, mesh, self, placement_of, default) if m is module else None,
-            partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0]),
+            partial(_prepare_first_input, self.input_layouts[0], self.desired_input_layouts[0], enter=enter),
             self._output,
         )
-        local_forward.install_rowwise(module, device_mesh)
         return module
 
     def __repr__(self) -> str:

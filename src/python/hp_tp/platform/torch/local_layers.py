@@ -2,7 +2,9 @@
 
 A ``ColwiseParallel`` / ``RowwiseParallel`` Linear or Embedding computes on the local shard of its
 weight with plain torch ops (no DTensor dispatch per op); the styles wrap the result back into a
-DTensor of the known layout, so the only collectives are the planned layout changes.
+DTensor of the known layout, so the only collectives are the planned layout changes.  Where plain
+tensors come in and go out, the two Megatron operators stand at the layer's edges instead
+(``replicate_input``, ``sum_partial_output``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_hooks
+
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.platform.torch import collectives as C
 
 
 def is_plain_linear(m: Any) -> bool:
@@ -28,6 +34,61 @@ def is_plain_embedding(m: Any) -> bool:
 def set_forward(m: nn.Module, fn: Callable[..., Any]) -> None:
     """Run ``fn`` as ``m``'s forward (hooks still run around it)."""
     m.forward = fn  # type: ignore[method-assign]
+
+
+def is_plain_tensor(x: Any) -> bool:
+    """Exactly a ``torch.Tensor``: not a DTensor, a Parameter or another subclass."""
+    return type(x) is torch.Tensor
+
+
+def only_own_hooks(m: nn.Module, pre: int, post: int) -> bool:
+    """``m`` runs exactly ``pre`` forward pre-hooks and ``post`` forward hooks (the style's) and no
+    backward, global or state-dict-time hooks: nothing else sees what passes between them."""
+    return (len(m._forward_pre_hooks) == pre and len(m._forward_hooks) == post
+            and not m._backward_hooks and not m._backward_pre_hooks
+            and not _module_hooks._global_forward_pre_hooks and not _module_hooks._global_forward_hooks
+            and not _module_hooks._global_backward_hooks and not _module_hooks._global_backward_pre_hooks)
+
+
+def requires_grad(x: torch.Tensor) -> bool:
+    return x.requires_grad
+
+
+class _ReplicateInput(torch.autograd.Function):
+    """Identity forward; the gradient, a partial sum on each rank, is all-reduced."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        mesh = ctx.mesh
+        return C.all_reduce(g, "sum", mesh.get_group(0), mesh.size(0)), None
+
+
+class _SumPartialOutput(torch.autograd.Function):
+    """All-reduce forward (each rank holds a partial sum); the gradient of the sum passes as is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        return C.all_reduce(x, "sum", mesh.get_group(0), mesh.size(0))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return g, None
+
+
+def replicate_input(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x``, replicated on the 1-D ``mesh``, entering column-parallel layers: their input
+    gradients are partial sums, all-reduced here once for every layer that used it."""
+    return _ReplicateInput.apply(x, mesh)  # type: ignore[no-any-return]
+
+
+def sum_partial_output(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """A row-parallel layer's partial sums ``x`` summed over the 1-D ``mesh`` (all_reduce)."""
+    return _SumPartialOutput.apply(x, mesh)  # type: ignore[no-any-return]
 
 
 def grad_enabled() -> bool:
