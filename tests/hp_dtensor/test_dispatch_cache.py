@@ -158,3 +158,61 @@ def test_equal_meshes_from_different_roots_keep_their_own_mesh() -> None:
             for _ in range(2):  # the second round runs from the warm cache
                 assert op(x).device_mesh.get_root_mesh() is root_a
                 assert op(y).device_mesh.get_root_mesh() is root_b
+
+
+def test_in_place_steady_state_writes_the_local_tensor_and_returns_self() -> None:
+    """An in-place op whose written argument keeps its layout and whose inputs stay where they are
+    (a gradient accumulated into a parameter's) runs from the warm cache as the bare local call;
+    one that must move an input, or needs a kernel (a scalar added once to a partial sum), keeps
+    the full path.  Each gives, warm and cold, the local values plain tensors give."""
+    pytest.importorskip("torch")
+    import torch
+
+    from hp_dtensor import Partial, Replicate, Shard, init_device_mesh
+    from hp_dtensor.platform.torch import dispatch
+
+    def run(rank: int, warm: bool) -> dict[str, Any]:
+        # (no data moves in a fake world: every DTensor is made from its local values)
+        g = torch.Generator().manual_seed(rank)
+        a, b = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+        mesh = init_device_mesh("cpu", (2,))
+        cases = {
+            "shard += shard": (lambda: _from_local(a.chunk(2)[rank], mesh, Shard(0)),
+                               lambda: _from_local(b.chunk(2)[rank], mesh, Shard(0)),
+                               lambda x, y: x.add_(y, alpha=2.0), a.chunk(2)[rank] + 2.0 * b.chunk(2)[rank]),
+            "partial += partial": (lambda: _from_local(a, mesh, Partial()), lambda: _from_local(b, mesh, Partial()),
+                                   lambda x, y: x.add_(y), a + b),
+            "replicate *= 3": (lambda: _from_local(a, mesh, Replicate()), lambda: None,
+                               lambda x, y: x.mul_(3), a * 3),
+            "shard += replicate (moves)": (lambda: _from_local(a.chunk(2)[rank], mesh, Shard(0)),
+                                           lambda: _from_local(b, mesh, Replicate()),
+                                           lambda x, y: x.add_(y), a.chunk(2)[rank] + b.chunk(2)[rank]),
+            "partial += 1 (kernel)": (lambda: _from_local(a, mesh, Partial()), lambda: None,
+                                      lambda x, y: x.add_(1.0), a + (1.0 if rank == 0 else 0.0)),
+        }
+        out = {}
+        for name, (make_x, make_y, op, want) in cases.items():
+            x, y = make_x(), make_y()
+            if warm:
+                op(make_x(), make_y())  # fills the cache
+            else:
+                dispatch._CORE.cache.clear()
+            r = op(x, y)
+            out[name] = (r is x, torch.equal(x.to_local(), want), tuple(x.placements))
+        return out
+
+    for rank in (0, 1):
+        with fake_world(2, rank=rank):
+            cold, warm = run(rank, False), run(rank, True)
+            directs = {k[0] for k, v in dispatch._CORE.cache.items() if v is not None and v.direct_inplace}
+        assert cold == warm, (cold, warm)
+        assert all(same and equal for same, equal, _ in warm.values()), warm
+    aten = torch.ops.aten
+    assert id(aten.add_.Tensor) in directs, "shard += shard did not take the in-place steady state"
+    assert directs & {id(aten.mul_.Tensor), id(aten.mul_.Scalar)}, "replicate *= 3 did not take it"
+
+
+def _from_local(t: Any, mesh: Any, placement: Any) -> Any:
+    from hp_dtensor.platform.torch import DTensor
+
+    return DTensor.from_local(t.clone(), mesh, [placement], run_check=False)

@@ -132,6 +132,9 @@ class CachedCall:
     ``direct``: no input moves, no argument is rewritten, no kernel, not in place, every DTensor
     is a top-level argument and the op returns one tensor whose spec is ``out_specs[0]``: the
     steady state is the local call and one wrap.
+    ``direct_inplace``: the same for an op that writes its first argument and leaves it in its
+    own layout (a gradient accumulated into a parameter's): the steady state is the local call,
+    which returns that argument.
     ``extra``: what a backend derives from the decision once (MindSpore's gradient bookkeeping).
     ``memo``: what a backend derives per call from the entry and a local property, kept across
     calls (torch: the wrapper strides for each local output stride)."""
@@ -141,6 +144,7 @@ class CachedCall:
     out_specs: tuple[DTensorSpec | None, ...] | None
     direct: bool
     extra: Any = None
+    direct_inplace: bool = False
     memo: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def output_spec(self, j: int, ti: int, mesh: DeviceMesh, local_shape: tuple[int, ...]) -> DTensorSpec | None:
@@ -185,21 +189,20 @@ def make_cached_call(
             for pl, shape in zip((outs[min(i, len(outs) - 1)] for i in range(len(shapes))), shapes)
         )
     moves = any(t is not None and t != a for t, a in zip(decision.inputs, actual))
-    direct = (
+    local_only = (
         single_tensor_output
         and top_level_only
-        and not inplace
         and not moves
         and not is_fallback
         and decision.args is None
         and decision.kwargs is None
         and decision.kernel is None
         and len(outs) == 1
-        and specs is not None
-        and len(specs) == 1
-        and specs[0] is not None
     )
-    return CachedCall(decision, is_fallback, specs, direct, extra)
+    direct = local_only and not inplace and specs is not None and len(specs) == 1 and specs[0] is not None
+    # in place: the written argument keeps its layout, so the call changes no spec
+    direct_inplace = local_only and inplace and bool(actual) and outs[0] == actual[0]
+    return CachedCall(decision, is_fallback, specs, direct, extra, direct_inplace=direct_inplace)
 
 
 def fill_placeholders(

@@ -164,6 +164,11 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         r._local_tensor = out
         r._spec = spec
         return r
+    if entry is not None and entry.direct_inplace:
+        # Written in place, in its own layout (a gradient accumulated into a parameter's).
+        locals_ = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+        _ = local_op(*locals_, **kwargs) if kwargs else local_op(*locals_)
+        return args[0]
     return _dispatch_one(func, args, kwargs, key, entry)
 
 
