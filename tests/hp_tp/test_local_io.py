@@ -200,3 +200,41 @@ def _other_hook(rank: int, world: int, hook: str) -> dict[str, Any]:
     with _Edges() as edges:
         model.gate_proj(torch.randn(4, 8, requires_grad=True)).sum().backward()
     return {"edges": edges.n["replicate_input"], "saw": seen[0]}
+
+
+def _checkpointed_and_autocast(rank: int, world: int) -> dict[str, Any]:
+    """Under activation checkpointing (non-reentrant, the recompute takes the same input) and
+    under bf16 autocast, the plain path gives the DTensor path's values and gradients bit for bit."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from hp_dtensor import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name in ("checkpoint", "autocast"):
+        torch.manual_seed(7)
+        ref = _mlp(12, 20, True, torch.float32)
+        x = torch.randn(3, 5, 12)
+        runs = []
+        for dtensor_path in (False, True):
+            model = _styled(ref, mesh, dtensor_path)
+            xi = x.clone().requires_grad_(True)
+            with _Edges() as edges:
+                if name == "checkpoint":
+                    y = checkpoint(model, xi, use_reentrant=False)
+                else:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        y = model(xi)
+                y.float().square().sum().backward()
+            runs.append((y, xi.grad, {n: p.grad.full_tensor() for n, p in model.named_parameters()}, edges.n))
+        (y0, g0, p0, e0), (y1, g1, p1, e1) = runs
+        out[name] = (torch.equal(y0, y1) and torch.equal(g0, g1) and all(torch.equal(p0[k], p1[k]) for k in p0),
+                     e0["sum_partial_output"] >= 1, e1["sum_partial_output"] == 0, str(y0.dtype))
+    return out
+
+
+def test_checkpointing_and_autocast_keep_the_plain_path_exact(pool2: RankPool) -> None:
+    for r in pool2.run(_checkpointed_and_autocast):
+        assert r["checkpoint"][:3] == (True, True, True), r
+        assert r["autocast"] == (True, True, True, "torch.bfloat16"), r
