@@ -7,8 +7,10 @@ operators stand at the edges.  Over generated cases (uneven feature counts, bias
 inputs, float32/float64, inputs with and without gradient, no_grad and inference mode) that path
 gives bit for bit the values, input gradients and parameter gradients of the DTensor path
 (forced by a hook of the user's on each layer, which turns the plain path off), with the same
-collectives, and equals one process in float64.  An input whose last dim is not the rank's
-share goes the DTensor way and fails as it does there.  Cases are counted in the output."""
+collectives, and equals one process in float64; so it does under activation checkpointing and
+bf16 autocast.  Any other hook on the layer turns the path off.  An input whose last dim is not
+the rank's share goes the DTensor way and fails as it does there.  Cases are counted in the
+output."""
 
 from __future__ import annotations
 
