@@ -58,27 +58,46 @@ Enter = Callable[[Any], "LocalIO | None"]
 _OWN_HOOKS = (1, 1)
 
 
-class _LastReplicated:
-    """The last plain input made ``replicate_input``: the next Colwise layer that takes the same
-    tensor (q/k/v, gate/up) reuses it, so its gradient is all-reduced once for all of them.
-    Checked by identity and in-place version, as the style's cache of annotated inputs is."""
+class LastInput:
+    """What was made from the last plain input of a styled layer, reused when the next layer gets
+    the same tensor under the same key (q/k/v or gate/up projections of one input): the input is
+    gathered once and its gradient reduced once, as in a hand-written layer.  Only the last input
+    is kept, checked by identity and the key (which holds its in-place version); an input that
+    cannot be weakly referenced is never cached."""
 
-    ref: Any = None
-    key: tuple[Any, ...] = ()
-    value: Any = None
+    def __init__(self) -> None:
+        self.ref: Any = None
+        self.key: tuple[Any, ...] = ()
+        self.value: Any = None
+
+    def get(self, x: Any, key: tuple[Any, ...]) -> Any:
+        """The value made from ``x`` under ``key``, or None."""
+        if self.ref is not None and self.ref() is x and self.key == key:
+            return self.value
+        return None
+
+    def put(self, x: Any, key: tuple[Any, ...], value: Any) -> None:
+        try:
+            self.ref, self.key, self.value = weakref.ref(x), key, value
+        except TypeError:
+            self.ref = None
+
+
+# the plain inputs ``replicate_input`` made, for the local path's Colwise layers
+_last_replicated = LastInput()
 
 
 def _replicated(k: Any, x: Any, mesh: DeviceMesh) -> Any:
     if not (k.grad_enabled() and k.requires_grad(x)):
         return x  # no gradient to reduce
     version = k.version(x)
+    if version is None:  # no version counter (inference mode): an in-place change could not be seen
+        return k.replicate_input(x, mesh)
     key = (mesh, version, k.inference_mode())
-    if version is not None and _LastReplicated.ref is not None and _LastReplicated.ref() is x \
-            and _LastReplicated.key == key:
-        return _LastReplicated.value
-    out = k.replicate_input(x, mesh)
-    if version is not None:
-        _LastReplicated.ref, _LastReplicated.key, _LastReplicated.value = weakref.ref(x), key, out
+    out = _last_replicated.get(x, key)
+    if out is None:
+        out = k.replicate_input(x, mesh)
+        _last_replicated.put(x, key, out)
     return out
 
 

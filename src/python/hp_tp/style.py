@@ -9,7 +9,6 @@ and MindSpore.
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -70,17 +69,8 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement,
     return x
 
 
-class _LastAnnotated:
-    """The DTensor the last plain input was turned into, reused when the next styled layer gets
-    the same tensor with the same layouts (q/k/v or gate/up projections of one input): like a
-    hand-written layer, the input is gathered once and its gradient reduced once, instead of once
-    per consumer.  Only the last input is kept, checked by identity and in-place version; an
-    input without a version counter (made under inference mode) is never cached, since an in-place
-    change to it could not be seen."""
-
-    ref: Any = None
-    key: tuple[Any, ...] = ()
-    value: Any = None
+# the DTensors plain inputs were annotated as (one input feeding q/k/v or gate/up is gathered once)
+_last_annotated = local_forward.LastInput()
 
 
 def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, shape: Any = None) -> Any:
@@ -89,17 +79,17 @@ def _annotate(x: Any, mesh: DeviceMesh, layout: Placement, desired: Placement, s
     key: tuple[Any, ...] = ()
     version = None if k is None else k.version(x)
     if k is not None and version is not None:
+        # an input without a version counter (made under inference mode) is never cached: an
+        # in-place change to it could not be seen
         key = (mesh, layout, desired, version, k.grad_enabled(), k.inference_mode(), x.requires_grad, shape)
-        if _LastAnnotated.ref is not None and _LastAnnotated.ref() is x and _LastAnnotated.key == key:
-            return _LastAnnotated.value
+        cached = _last_annotated.get(x, key)
+        if cached is not None:
+            return cached
     dt = plat.DTensor.from_local(x, mesh, [layout], run_check=False, shape=shape)
     if dt.placements != (desired,):
         dt = dt.redistribute(mesh, [desired])
     if version is not None:
-        try:
-            _LastAnnotated.ref, _LastAnnotated.key, _LastAnnotated.value = weakref.ref(x), key, dt
-        except TypeError:
-            _LastAnnotated.ref = None
+        _last_annotated.put(x, key, dt)
     return dt
 
 

@@ -149,10 +149,13 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         entry = _cache_get(key)
     except TypeError:  # an unhashable argument: decide every time
         key = entry = None
-    if entry is not None and entry.direct:
-        # The steady state: every DTensor stays where it is, one output of a known spec.
+    if entry is not None and (entry.direct or entry.direct_inplace):
+        # The steady state: every DTensor stays where it is, one output of a known spec (or, in
+        # place, the written argument in its own layout: a gradient accumulated into a parameter's).
         locals_ = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
         out = local_op(*locals_, **kwargs) if kwargs else local_op(*locals_)
+        if entry.direct_inplace:
+            return args[0]
         # Inline of _new_dtensor (this is the per-op path).
         spec: Any = entry.out_specs[0]  # type: ignore[index]
         stride = out.stride()
@@ -164,11 +167,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         r._local_tensor = out
         r._spec = spec
         return r
-    if entry is not None and entry.direct_inplace:
-        # Written in place, in its own layout (a gradient accumulated into a parameter's).
-        locals_ = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
-        _ = local_op(*locals_, **kwargs) if kwargs else local_op(*locals_)
-        return args[0]
     return _dispatch_one(func, args, kwargs, key, entry)
 
 

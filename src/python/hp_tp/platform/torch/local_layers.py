@@ -43,7 +43,7 @@ def is_plain_tensor(x: Any) -> bool:
 
 def only_own_hooks(m: nn.Module, pre: int, post: int) -> bool:
     """``m`` runs exactly ``pre`` forward pre-hooks and ``post`` forward hooks (the style's) and no
-    backward, global or state-dict-time hooks: nothing else sees what passes between them."""
+    backward or global module hooks: nothing else sees what passes between them."""
     return (len(m._forward_pre_hooks) == pre and len(m._forward_hooks) == post
             and not m._backward_hooks and not m._backward_pre_hooks
             and not _module_hooks._global_forward_pre_hooks and not _module_hooks._global_forward_hooks
