@@ -1,6 +1,7 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index"
-"""Mesh start-up outside the harness: the default group from torchrun's variables, clear errors
-for a missing launcher or device, and CommDebugMode's per-module counts."""
+"""Mesh start-up outside the harness: the default group from torchrun's variables (and released
+when destroyed), clear errors for a missing launcher or device, and CommDebugMode's per-module
+counts."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def test_default_group_starts_from_torchrun_variables() -> None:
            "MASTER_PORT": str(_free_port())}
     out = _run(code, env)
     assert "ok (0,) [0.0, 1.0, 2.0, 3.0]" in out.stdout, out.stderr
+
+
+def test_destroyed_default_group_is_released() -> None:
+    """Once destroyed, the default group has no reference left, even when a module that binds
+    ``group.WORLD`` at import (DCP imports one) is first imported after the mesh started it: a
+    group kept alive runs its gloo threads into interpreter exit, which now and then aborts a
+    process that finished its work."""
+    code = (
+        "import gc, sys\n"
+        "import torch.distributed as dist\n"
+        "from hp_dtensor import init_device_mesh\n"
+        "init_device_mesh('cpu', (1,))\n"
+        "pg = dist.group.WORLD\n"
+        "import torch.distributed.checkpoint\n"  # first imported with the group alive
+        "dist.destroy_process_group()\n"
+        "gc.collect()\n"
+        "print('references left', sys.getrefcount(pg) - 2)\n"  # less this name and the argument
+    )
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    out = _run(code, env)
+    assert "references left 0" in out.stdout, (out.stdout, out.stderr)
 
 
 def test_missing_launcher_variables_say_what_to_do() -> None:

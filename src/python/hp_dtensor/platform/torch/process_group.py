@@ -9,6 +9,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is first
+# imported (torch.distributed.checkpoint imports it).  Imported while a default group exists, it
+# keeps that group alive past destroy_process_group: the group's gloo worker threads then run on
+# into interpreter exit, where freeing a finished collective's tensors needs the GIL and aborts
+# the process ("terminate called without an active exception") after a good run.  Imported
+# here, before any group of ours exists, it binds None, which c10d reads as the default group.
+import torch.distributed.nn.functional  # noqa: F401
+
 from hp_dtensor.device_mesh import check_device_type
 
 _BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -80,10 +88,8 @@ def init_fake(rank: int, world_size: int) -> None:
 
 
 def destroy() -> None:
-    """Leave the job.  A barrier first: gloo ranks that tear their groups down while a peer is
-    still finishing its last collective abort now and then ("terminate called without an active
-    exception", about one exit in 20 on a loaded machine); after the barrier every rank's traffic
-    is done."""
+    """Leave the job.  A barrier first, so that no rank tears its groups down while a peer is
+    still in its last collective."""
     _groups.clear()
     if is_initialized():
         if dist.get_world_size() > 1:
