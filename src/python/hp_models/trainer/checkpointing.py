@@ -58,8 +58,9 @@ def check_checkpoint_dir(args: Args, config: Any, layout: TrainLayout) -> None:
         if args.backend is Backend.MINDSPORE and found.kind != CheckpointKind.SAFETENSORS_SHARDS:
             sys.exit(f"error: --resume from {found.path}: a {found.kind} checkpoint (written by {found.framework}); "
                      f"the MindSpore backend resumes safetensors-shards checkpoints only (DCP is "
-                     f"torch.distributed.checkpoint's format). Resume it with --backend torch, and pass "
-                     f"--checkpoint-format safetensors-shards there to write checkpoints MindSpore can resume")
+                     f"torch.distributed.checkpoint's format). Resume it with --backend torch, whose later "
+                     f"checkpoints MindSpore can resume: --checkpoint-format safetensors-shards, the default "
+                     f"when pipeline_parallel is 1")
         return
     steps = [os.path.basename(p) for p in checkpoint_entries(root) if os.path.basename(p).startswith("step-")]
     if steps and not args.overwrite:

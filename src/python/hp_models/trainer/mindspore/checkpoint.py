@@ -76,7 +76,8 @@ def load_train_state_ms(root: str, model: Any, opt: AdamW, *, seed: int, announc
     if plan.kind != CheckpointKind.SAFETENSORS_SHARDS:
         raise CheckpointError(f"--resume from {plan.path}: a {plan.kind} checkpoint (written by {plan.framework}); "
                               f"the MindSpore backend resumes safetensors-shards checkpoints only: resume it with "
-                              f"--backend torch and --checkpoint-format safetensors-shards")
+                              f"--backend torch, whose later checkpoints are --checkpoint-format "
+                              f"safetensors-shards when pipeline_parallel is 1 (the default there)")
     state, order = _state(model, opt)
     manifest = load_train_shards(state, plan.path, root)
     losses = check_resumed(trainer_extra(manifest), plan.path, plan.step, seed)
