@@ -1,6 +1,6 @@
 # mypy: disable-error-code="attr-defined,union-attr,arg-type,no-untyped-def,index"
-"""Mesh start-up outside the harness: the default group from torchrun's variables (and released
-when destroyed), clear errors for a missing launcher or device, and CommDebugMode's per-module
+"""Mesh start-up outside the harness: the default group from torchrun's variables (it and the
+mesh's subgroups released when destroyed), clear errors for a missing launcher or device, and CommDebugMode's per-module
 counts."""
 
 from __future__ import annotations
@@ -58,6 +58,52 @@ def test_destroyed_default_group_is_released() -> None:
            "MASTER_PORT": str(_free_port())}
     out = _run(code, env)
     assert "references left 0" in out.stdout, (out.stdout, out.stderr)
+
+
+_SUBGROUPS = """
+import gc, sys, weakref
+import torch
+import torch.distributed as dist
+from hp_dtensor import Shard, distribute_tensor, init_device_mesh
+from hp_dtensor.platform.torch.process_group import init_rank
+
+rank, root = int(sys.argv[1]), sys.argv[2]
+whole = torch.arange(12.0).reshape(4, 3)
+for world in ("first", "second"):  # a second default group in the same process gets fresh subgroups
+    init_rank(None, f"{root}/{world}", rank, 2, 60)
+    mesh = init_device_mesh("cpu", (2, 1))  # dim 1: a one-rank group per rank
+    d = distribute_tensor(whole, mesh, [Shard(0), Shard(1)])
+    assert torch.equal(d.redistribute(mesh, [Shard(1), Shard(0)]).full_tensor(), whole)
+    own = weakref.ref(mesh.get_group(1))
+    if world == "second":
+        dist.destroy_process_group(mesh.get_group(1))  # only this rank's subgroup
+        try:
+            mesh.get_group(1)
+        except RuntimeError as e:
+            print(rank, "destroyed subgroup refused:", "was destroyed" in str(e))
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    print(rank, world, "subgroup released:", own() is None)
+"""
+
+
+def test_subgroups_released_and_fresh_per_default_group(tmp_path) -> None:
+    """Subgroups a mesh made are c10d's alone: ``destroy_process_group`` frees them (kept alive,
+    their gloo threads would run into interpreter exit); a new default group in the same
+    process gets new ones, not the destroyed; a subgroup destroyed under a live mesh is refused
+    with ``RuntimeError`` instead of a collective only some ranks enter."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, "-c", _SUBGROUPS, str(r), str(tmp_path)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for r, (out, err) in enumerate(outs):
+        assert procs[r].returncode == 0, err
+        assert out.splitlines() == [
+            f"{r} first subgroup released: True",
+            f"{r} destroyed subgroup refused: True",
+            f"{r} second subgroup released: True",
+        ], (out, err)
 
 
 def test_missing_launcher_variables_say_what_to_do() -> None:

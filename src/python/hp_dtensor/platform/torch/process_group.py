@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -21,7 +22,27 @@ from hp_dtensor.device_mesh import check_device_type
 
 _BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 DEVICE_TYPES = tuple(_BACKEND_OF_DEVICE)
-_groups: dict[tuple[int, ...], Any] = {}
+
+
+class _Subgroups:
+    """The subgroups meshes asked for, by ranks, for one default group.  Held weakly: c10d owns a
+    group, so ``destroy_process_group`` frees it and stops its threads (a group kept alive here
+    would run them into interpreter exit).  A new default group starts an empty cache."""
+
+    def __init__(self) -> None:
+        self.world: Any = None  # weak reference to the default group these belong to
+        self.alive: weakref.WeakValueDictionary[tuple[int, ...], Any] = weakref.WeakValueDictionary()
+        self.made: set[tuple[int, ...]] = set()
+        self.outside: dict[tuple[int, ...], Any] = {}  # c10d's marker for a group without this rank
+
+    def reset(self, world: Any = None) -> None:
+        self.world = None if world is None else weakref.ref(world)
+        self.alive.clear()
+        self.made.clear()
+        self.outside.clear()
+
+
+_groups = _Subgroups()
 
 
 def default_device_type() -> str:
@@ -90,7 +111,7 @@ def init_fake(rank: int, world_size: int) -> None:
 def destroy() -> None:
     """Leave the job.  A barrier first, so that no rank tears its groups down while a peer is
     still in its last collective."""
-    _groups.clear()
+    _groups.reset()
     if is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
@@ -109,12 +130,27 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
     """The group over ``ranks``; creating one is collective over the default group."""
     if not is_initialized():
         raise RuntimeError("no process group: call init_device_mesh (or init_process_group) first")
+    world = dist.group.WORLD
     if ranks == tuple(range(dist.get_world_size())):
-        return dist.group.WORLD
-    group = _groups.get(ranks)
-    if group is None:
-        group = dist.new_group(list(ranks))
-        _groups[ranks] = group
+        return world
+    if _groups.world is None or _groups.world() is not world:
+        _groups.reset(world)
+    group = _groups.alive.get(ranks)
+    if group is not None:
+        return group
+    if ranks in _groups.outside:
+        return _groups.outside[ranks]
+    if ranks in _groups.made:
+        raise RuntimeError(
+            f"the process group over ranks {list(ranks)} was destroyed while a mesh still uses it; "
+            f"destroy only the default group (destroy_process_group()), then build new meshes"
+        )
+    group = dist.new_group(list(ranks))
+    _groups.made.add(ranks)
+    if isinstance(group, dist.ProcessGroup):
+        _groups.alive[ranks] = group
+    else:
+        _groups.outside[ranks] = group
     return group
 
 
