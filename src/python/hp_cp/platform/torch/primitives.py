@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,9 +50,38 @@ class _AllGather(torch.autograd.Function):
         return collectives.reduce_scatter(grad.contiguous(), 0, "sum", group, n), None, None
 
 
-# The ring's own process groups, by the full set of rings they were created with (creation is
-# collective, so every rank keeps the same entries).
-_P2P_GROUPS: dict[tuple[tuple[int, ...], ...], dict[tuple[int, ...], Any]] = {}
+class _RingGroups:
+    """The ring's own process groups, by the full set of rings they were made with (making them is
+    collective, so every rank keeps the same entries), for one default group.  This rank's group
+    is held weakly: c10d owns it, so ``destroy_process_group`` frees it and stops its threads
+    (kept alive here, they would run into interpreter exit); a new default group starts empty."""
+
+    def __init__(self) -> None:
+        self.world: Any = None  # weak reference to the default group these belong to
+        self.mine: dict[tuple[tuple[int, ...], ...], Any] = {}  # weakref, or c10d's non-member marker
+
+    def get(self, all_groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Any:
+        world = dist.group.WORLD
+        if self.world is None or self.world() is not world:
+            self.world, self.mine = weakref.ref(world), {}
+        key = (all_groups, mine)
+        if key not in self.mine:
+            made = {g: dist.new_group(list(g)) for g in all_groups}
+            group = made[mine]
+            self.mine[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else group
+        held = self.mine[key]
+        if not isinstance(held, weakref.ref):
+            return held
+        group = held()
+        if group is None:
+            raise RuntimeError(
+                f"the ring's process group over ranks {list(mine)} was destroyed while context "
+                f"parallelism still uses it; destroy only the default group, then set up again"
+            )
+        return group
+
+
+_RING_GROUPS = _RingGroups()
 
 
 class TorchCP:
@@ -72,10 +102,7 @@ class TorchCP:
         return ring_attention(q, k, v, plan, scale, doc_ids, async_comm, group)
 
     def p2p_group(self, all_groups: Sequence[tuple[int, ...]], mine: tuple[int, ...]) -> Any:
-        key = tuple(tuple(g) for g in all_groups)
-        if key not in _P2P_GROUPS:
-            _P2P_GROUPS[key] = {g: dist.new_group(list(g)) for g in key}
-        return _P2P_GROUPS[key][tuple(mine)]
+        return _RING_GROUPS.get(tuple(tuple(g) for g in all_groups), tuple(mine))
 
     def all_to_all(self, t: torch.Tensor, split_dim: int, concat_dim: int, group: Any, n: int) -> torch.Tensor:
         if n == 1:
