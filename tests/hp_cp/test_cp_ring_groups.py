@@ -5,9 +5,7 @@ same process gets fresh ones; ring attention equals SDPA on the whole sequence i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from hp_dtensor.testing import run_rank_scripts
 
 _SCRIPT = """
 import gc, sys, weakref
@@ -38,11 +36,7 @@ for world in ("first", "second"):
 
 
 def test_ring_groups_released_and_fresh_per_default_group(tmp_path) -> None:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, str(r), str(tmp_path)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for r, (out, err) in enumerate(outs):
-        assert procs[r].returncode == 0, err
+    outs = run_rank_scripts(_SCRIPT, 2, str(tmp_path))
+    for r, out in enumerate(outs):
         assert out.splitlines() == [f"{r} first ring group released: True",
-                                    f"{r} second ring group released: True"], (out, err)
+                                    f"{r} second ring group released: True"], out

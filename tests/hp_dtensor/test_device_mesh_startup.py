@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from hp_dtensor.testing import run_rank_scripts
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -93,17 +95,13 @@ def test_subgroups_released_and_fresh_per_default_group(tmp_path) -> None:
     their gloo threads would run into interpreter exit); a new default group in the same
     process gets new ones, not the destroyed; a subgroup destroyed under a live mesh is refused
     with ``RuntimeError`` instead of a collective only some ranks enter."""
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [subprocess.Popen([sys.executable, "-c", _SUBGROUPS, str(r), str(tmp_path)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    for r, (out, err) in enumerate(outs):
-        assert procs[r].returncode == 0, err
+    outs = run_rank_scripts(_SUBGROUPS, 2, str(tmp_path))
+    for r, out in enumerate(outs):
         assert out.splitlines() == [
             f"{r} first subgroup released: True",
             f"{r} destroyed subgroup refused: True",
             f"{r} second subgroup released: True",
-        ], (out, err)
+        ], out
 
 
 def test_missing_launcher_variables_say_what_to_do() -> None:

@@ -5,11 +5,13 @@ them; ``rank_pool_fixture(n)`` makes a module-scoped pytest fixture of it, whose
 modules of the process share (``shared_pool``).  ``fake_world(n, rank)``
 runs single-process geometry tests over the ``fake`` process group at any world size.
 ``outcomes(calls)`` records what each call raised, to compare across ranks.
+``run_rank_scripts(code, n)`` runs a script as ``n`` fresh rank interpreters.
 """
 
 from hp_dtensor.testing.fake import fake_world
 from hp_dtensor.testing.outcomes import outcome, outcomes
 from hp_dtensor.testing.rank_pool import RankError, RankPool, RankTimeout, rank_pool_fixture, shared_pool
+from hp_dtensor.testing.rank_scripts import run_rank_scripts
 
 __all__ = ["RankError", "RankPool", "RankTimeout", "fake_world", "outcome", "outcomes", "rank_pool_fixture",
-           "shared_pool"]
+           "run_rank_scripts", "shared_pool"]
