@@ -58,7 +58,8 @@ class _RingGroups:
 
     def __init__(self) -> None:
         self.world: Any = None  # weak reference to the default group these belong to
-        self.mine: dict[tuple[tuple[int, ...], ...], Any] = {}  # weakref, or c10d's non-member marker
+        # by (every ring, this rank's): a weak reference, or c10d's marker for a non-member
+        self.mine: dict[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]], Any] = {}
 
     def get(self, all_groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Any:
         world = dist.group.WORLD
