@@ -102,6 +102,9 @@ def _plain_load(dcp: Any, state_of: Any, model: Any, opt: Any, path: str) -> Non
 def _timed(fn: Any) -> float:
     import torch.distributed as dist
 
+    # Start from a clean page cache: the paths that do not fsync leave dirty pages behind, and
+    # the next fsync (ext4 commits its journal in order) would pay for their writeback.
+    os.sync()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
