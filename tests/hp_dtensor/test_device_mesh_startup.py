@@ -40,26 +40,32 @@ def test_default_group_starts_from_torchrun_variables() -> None:
     assert "ok (0,) [0.0, 1.0, 2.0, 3.0]" in out.stdout, out.stderr
 
 
-def test_destroyed_default_group_is_released() -> None:
+_RELEASED = """
+import gc, sys, weakref
+import torch.distributed as dist
+from hp_dtensor import init_device_mesh
+if sys.argv[1] == "user-first":  # the script starts the group, then the library loads its backend
+    dist.init_process_group("gloo")
+init_device_mesh("cpu", (1,))
+pg = weakref.ref(dist.group.WORLD)
+import torch.distributed.checkpoint  # first imported with the group alive
+dist.destroy_process_group()
+gc.collect()
+print("released", pg() is None)
+"""
+
+
+@pytest.mark.parametrize("order", ["library-first", "user-first"])
+def test_destroyed_default_group_is_released(order: str) -> None:
     """Once destroyed, the default group has no reference left, even when a module that binds
-    ``group.WORLD`` at import (DCP imports one) is first imported after the mesh started it: a
-    group kept alive runs its gloo threads into interpreter exit, which now and then aborts a
-    process that finished its work."""
-    code = (
-        "import gc, sys\n"
-        "import torch.distributed as dist\n"
-        "from hp_dtensor import init_device_mesh\n"
-        "init_device_mesh('cpu', (1,))\n"
-        "pg = dist.group.WORLD\n"
-        "import torch.distributed.checkpoint\n"  # first imported with the group alive
-        "dist.destroy_process_group()\n"
-        "gc.collect()\n"
-        "print('references left', sys.getrefcount(pg) - 2)\n"  # less this name and the argument
-    )
+    ``group.WORLD`` as a default argument at import (DCP imports one) is first imported while
+    the group lives, whether the mesh or the script started it: a group kept alive runs its gloo
+    threads into interpreter exit, which now and then aborts a process that finished its work."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
-    out = _run(code, env)
-    assert "references left 0" in out.stdout, (out.stdout, out.stderr)
+    out = subprocess.run([sys.executable, "-c", _RELEASED, order], capture_output=True, text=True,
+                         env={**os.environ, **env, "GLOO_SOCKET_IFNAME": "lo"}, timeout=120)
+    assert "released True" in out.stdout, (out.stdout, out.stderr)
 
 
 _SUBGROUPS = """
@@ -77,7 +83,13 @@ for world in ("first", "second"):  # a second default group in the same process 
     d = distribute_tensor(whole, mesh, [Shard(0), Shard(1)])
     assert torch.equal(d.redistribute(mesh, [Shard(1), Shard(0)]).full_tensor(), whole)
     own = weakref.ref(mesh.get_group(1))
-    if world == "second":
+    if world == "first":
+        stale = mesh
+    else:
+        try:  # a mesh of the first world: its groups are gone, and making them is collective
+            stale.get_group(0)
+        except RuntimeError as e:
+            print(rank, "stale mesh refused:", "build the mesh again" in str(e))
         dist.destroy_process_group(mesh.get_group(1))  # only this rank's subgroup
         try:
             mesh.get_group(1)
@@ -93,12 +105,14 @@ for world in ("first", "second"):  # a second default group in the same process 
 def test_subgroups_released_and_fresh_per_default_group(tmp_path) -> None:
     """Subgroups a mesh made are c10d's alone: ``destroy_process_group`` frees them (kept alive,
     their gloo threads would run into interpreter exit); a new default group in the same
-    process gets new ones, not the destroyed; a subgroup destroyed under a live mesh is refused
-    with ``RuntimeError`` instead of a collective only some ranks enter."""
+    process gets new ones, not the destroyed.  A mesh of the first default group used under the
+    second, and a subgroup destroyed under a live mesh, are refused with ``RuntimeError``
+    instead of a ``new_group`` collective only some ranks enter."""
     outs = run_rank_scripts(_SUBGROUPS, 2, str(tmp_path))
     for r, out in enumerate(outs):
         assert out.splitlines() == [
             f"{r} first subgroup released: True",
+            f"{r} stale mesh refused: True",
             f"{r} destroyed subgroup refused: True",
             f"{r} second subgroup released: True",
         ], out

@@ -82,6 +82,11 @@ class Backend(Protocol):
 
     def get_or_create_group(self, ranks: tuple[int, ...]) -> Any: ...
 
+    def world_generation(self) -> int:
+        """Changes whenever a new default group starts in this process: a mesh's groups belong
+        to the default group it was built under."""
+        ...
+
     def set_num_threads(self, n: int) -> None: ...
 
     # ----- collectives -----

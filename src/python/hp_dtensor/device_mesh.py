@@ -55,6 +55,8 @@ class DeviceMesh:
         self._root_mesh: DeviceMesh = self
         self._rank = plat.get_rank()
         self._coord = _layout.coordinate_of(self._rank)
+        # the default group this mesh's groups belong to (a slice takes its root's)
+        self._world = plat.world_generation()
         if _init_groups:
             for dim in range(_layout.ndim):
                 for ranks in _layout.groups_along(dim):
@@ -104,7 +106,15 @@ class DeviceMesh:
                 raise ValueError("get_group() needs a mesh_dim on a mesh with more than one dim")
             mesh_dim = 0
         k = self._layout.dim_index(mesh_dim)
-        return _platform().get_or_create_group(self._layout.group_of(self._rank, k))
+        plat = _platform()
+        if plat.world_generation() != self._world:
+            # its groups went with the default group they were made in; making one now would be
+            # a collective that only this dim's ranks enter
+            raise RuntimeError(
+                f"mesh {self._layout.ranks} was built under a default process group that has since been "
+                f"destroyed; build the mesh again (init_device_mesh) after starting the new one"
+            )
+        return plat.get_or_create_group(self._layout.group_of(self._rank, k))
 
     def group_ranks(self, mesh_dim: int) -> tuple[int, ...]:
         return self._layout.group_of(self._rank, mesh_dim)
@@ -122,6 +132,7 @@ class DeviceMesh:
         sub = self._layout.submesh(dims, self._rank)
         out = DeviceMesh(self.device_type, None, _layout=sub, _init_groups=False)
         out._root_mesh = self._root_mesh
+        out._world = self._world
         return out
 
     def get_root_mesh(self) -> DeviceMesh:

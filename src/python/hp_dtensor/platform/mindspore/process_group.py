@@ -196,3 +196,8 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
             create_group(name, list(ranks))
         _groups[ranks] = name
     return name
+
+
+def world_generation() -> int:
+    """MindSpore starts its communication once per process: one default group, ever."""
+    return 0

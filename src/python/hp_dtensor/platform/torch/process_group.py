@@ -4,24 +4,41 @@ from __future__ import annotations
 
 import datetime
 import os
+import types
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-# torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is first
-# imported (torch.distributed.checkpoint imports it).  Imported while a default group exists, it
-# keeps that group alive past destroy_process_group: the group's gloo worker threads then run on
-# into interpreter exit, where freeing a finished collective's tensors needs the GIL and aborts
-# the process ("terminate called without an active exception") after a good run.  Imported
-# here, before any group of ours exists, it binds None, which c10d reads as the default group.
-import torch.distributed.nn.functional  # noqa: F401
-
 from hp_dtensor.device_mesh import check_device_type
 
 _BACKEND_OF_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 DEVICE_TYPES = tuple(_BACKEND_OF_DEVICE)
+
+
+def _unbind_default_group() -> None:
+    """torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is
+    first imported (torch.distributed.checkpoint imports it).  Bound to a live default group, it
+    keeps that group alive past destroy_process_group: the group's gloo worker threads then run
+    on into interpreter exit, where freeing a finished collective's tensors needs the GIL, and
+    the process aborts ("terminate called without an active exception") after a good run.
+    Imported before any group exists, it binds None, which c10d reads as the default group;
+    imported after (a script that started the group itself), those defaults are set to None."""
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as functional
+
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is None:
+        return
+    for fn in vars(functional).values():
+        defaults = fn.__defaults__ if isinstance(fn, types.FunctionType) else None
+        if defaults and any(d is world for d in defaults):
+            fn.__defaults__ = tuple(None if d is world else d for d in defaults)
+
+
+_unbind_default_group()
 
 
 class _Subgroups:
@@ -31,11 +48,14 @@ class _Subgroups:
 
     def __init__(self) -> None:
         self.world: Any = None  # weak reference to the default group these belong to
+        self.generation = 0  # how many default groups this process has seen
         self.alive: weakref.WeakValueDictionary[tuple[int, ...], Any] = weakref.WeakValueDictionary()
         self.made: set[tuple[int, ...]] = set()
         self.outside: dict[tuple[int, ...], Any] = {}  # c10d's marker for a group without this rank
 
     def reset(self, world: Any = None) -> None:
+        if world is not None:
+            self.generation += 1
         self.world = None if world is None else weakref.ref(world)
         self.alive.clear()
         self.made.clear()
@@ -133,8 +153,7 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
     world = dist.group.WORLD
     if ranks == tuple(range(dist.get_world_size())):
         return world
-    if _groups.world is None or _groups.world() is not world:
-        _groups.reset(world)
+    _follow(world)
     group = _groups.alive.get(ranks)
     if group is not None:
         return group
@@ -152,6 +171,18 @@ def get_or_create_group(ranks: tuple[int, ...]) -> Any:
     else:
         _groups.outside[ranks] = group
     return group
+
+
+def _follow(world: Any) -> None:
+    if _groups.world is None or _groups.world() is not world:
+        _groups.reset(world)
+
+
+def world_generation() -> int:
+    """Changes whenever a new default group starts in this process (0 before the first)."""
+    if is_initialized():
+        _follow(dist.group.WORLD)
+    return _groups.generation
 
 
 def new_world_group() -> Any:
