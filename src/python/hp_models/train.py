@@ -112,6 +112,8 @@ def _run(args: Args, config: Any, layout: TrainLayout) -> int:
             clear_for_overwrite(args)
         current().ensure_process_group("cpu")
         result = train(args, layout, config, rank, distributed=layout.world_size > 1)
+        # every rank has finished: leave the job now rather than in the interpreter's teardown
+        current().destroy()
         if rank != 0:
             return 0
     else:
