@@ -63,6 +63,9 @@ class _RingGroups:
 
     def get(self, all_groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Any:
         world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("context parallelism needs a process group: call init_device_mesh "
+                               "(or init_process_group) first")
         if self.world is None or self.world() is not world:
             self.world, self.mine = weakref.ref(world), {}
         key = (all_groups, mine)
