@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hp_cp.layout import RingPlan
 from hp_cp.platform.torch.ring import ring_attention
+from hp_dtensor.platform import current
 from hp_dtensor.platform.torch import collectives
 
 
@@ -52,31 +53,27 @@ class _AllGather(torch.autograd.Function):
 
 class _RingGroups:
     """The ring's own process groups, by the full set of rings they were made with (making them is
-    collective, so every rank keeps the same entries), for one default group.  This rank's group
-    is held weakly: c10d owns it, so ``destroy_process_group`` frees it and stops its threads
-    (kept alive here, they would run into interpreter exit); a new default group starts empty."""
+    collective, so every rank keeps the same entries).  This rank's group is held weakly: c10d
+    owns it, so ``destroy_process_group`` frees it and stops its threads (kept alive here, they
+    would run into interpreter exit).  A new default group starts an empty cache."""
 
     def __init__(self) -> None:
-        self.world: Any = None  # weak reference to the default group these belong to
-        # by (every ring, this rank's): a weak reference, or c10d's marker for a non-member
-        self.mine: dict[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]], Any] = {}
+        self.generation = -1  # the backend's world_generation() the entries belong to
+        self.mine: dict[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]], weakref.ref[Any]] = {}
 
     def get(self, all_groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Any:
-        world = dist.group.WORLD
-        if world is None:
+        if not dist.is_initialized():
             raise RuntimeError("context parallelism needs a process group: call init_device_mesh "
                                "(or init_process_group) first")
-        if self.world is None or self.world() is not world:
-            self.world, self.mine = weakref.ref(world), {}
+        generation = current().world_generation()
+        if generation != self.generation:
+            self.generation, self.mine = generation, {}
         key = (all_groups, mine)
         if key not in self.mine:
+            # every rank makes every ring, in the same order; ``mine`` holds this rank
             made = {g: dist.new_group(list(g)) for g in all_groups}
-            group = made[mine]
-            self.mine[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else group
-        held = self.mine[key]
-        if not isinstance(held, weakref.ref):
-            return held
-        group = held()
+            self.mine[key] = weakref.ref(made[mine])
+        group = self.mine[key]()
         if group is None:
             raise RuntimeError(
                 f"the ring's process group over ranks {list(mine)} was destroyed while context "
