@@ -76,7 +76,9 @@ PY
   || fail "the 2-rank TP example failed"
 
 # wheel_alone VENV EXPECTED WHAT EXAMPLE [EXAMPLE_ARG...] -- REQUIREMENT...
-# Installs the requirements alone in the fresh venv ${work}/VENV, checks that exactly the
+# Installs the requirements alone in the fresh venv ${work}/VENV (torch, which every requirement
+# list pulls in through hp-dtensor[torch], is linked in from the first venv rather than unpacked
+# again: seed_venv.py), checks that exactly the
 # first-party distributions EXPECTED (comma-separated, sorted) and no MindSpore came in, then runs
 # the 2-rank wheel_examples/EXAMPLE under torchrun from outside the source tree.
 wheel_alone() {
@@ -87,6 +89,7 @@ wheel_alone() {
   shift
   stage "${expected//,/ + } alone"
   python3.11 -m venv "${venv}"
+  "${work}/torch/bin/python" "${root}/build-support/seed_venv.py" torch "${venv}"
   "${venv}/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
     -c "${work}/torch-constraint.txt" "$@"
   "${venv}/bin/python" - "${expected}" <<'PY'
