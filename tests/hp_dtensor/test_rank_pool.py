@@ -132,6 +132,38 @@ def test_threads_per_rank() -> None:
         RankPool(2, threads_per_rank=0)
 
 
+def _started_from(rank: int, world_size: int, name: str) -> tuple[str | None, str, int, int]:
+    import sys
+
+    import torch
+
+    return os.environ.get(name), sys.path[0], os.getppid(), torch.get_num_threads()
+
+
+def test_torch_ranks_fork_from_one_server_with_the_callers_env_and_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch ranks are forked from the process's one fork server (their parent is not the test
+    process, and two pools share it), yet each pool's ranks see the test process's environment
+    and import path as they are when the pool starts, as spawned ranks would, plus the pool's own
+    ``env``; the thread count is still set per rank."""
+    import sys
+
+    monkeypatch.setenv("HP_RANK_POOL_PROBE", "first")
+    monkeypatch.syspath_prepend("/hp-rank-pool-probe-a")
+    with RankPool(2) as a:
+        got_a = a.run(_started_from, "HP_RANK_POOL_PROBE")
+    monkeypatch.setenv("HP_RANK_POOL_PROBE", "second")
+    monkeypatch.syspath_prepend("/hp-rank-pool-probe-b")
+    with RankPool(2, env={"HP_RANK_POOL_EXTRA": "x"}, threads_per_rank=2) as b:
+        got_b = b.run(_started_from, "HP_RANK_POOL_PROBE")
+        extra = b.run(_started_from, "HP_RANK_POOL_EXTRA")
+    assert [g[:2] for g in got_a] == [("first", "/hp-rank-pool-probe-a")] * 2
+    assert [g[:2] for g in got_b] == [("second", "/hp-rank-pool-probe-b")] * 2
+    assert [g[0] for g in extra] == ["x", "x"] and [g[3] for g in got_b] == [2, 2]
+    parents = {g[2] for g in got_a + got_b}
+    assert len(parents) == 1 and os.getpid() not in parents, (parents, os.getpid())
+    assert sys.path[0] == "/hp-rank-pool-probe-b"
+
+
 @pytest.mark.parametrize("world", [8, 16])
 def test_fake_world_builds_meshes_of_any_size(world: int) -> None:
     from hp_dtensor import init_device_mesh

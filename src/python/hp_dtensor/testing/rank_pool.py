@@ -1,15 +1,18 @@
 """``RankPool``: N real ranks started once, running many test functions.
 
-Each rank is a spawned process with its own default process group.  On torch (gloo on CPU) ranks
-rendezvous on a ``FileStore`` in a fresh temporary folder, so no port is chosen and parallel test
-files never collide.  On MindSpore the pool also starts the scheduler process MindSpore's launcher
-would (``MS_ROLE=MS_SCHED``) on a port the OS hands out, and gives each rank the ``MS_*``
-variables ``msrun`` would set.  ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
+Each rank is a process of its own with its own default process group.  On torch a rank is forked
+from a server process that imported torch and the backend once (``multiprocessing``'s forkserver):
+a spawned rank spent about 1.8 s of CPU importing them, paid again by every pool a test run starts.
+Ranks rendezvous (gloo on CPU) on a ``FileStore`` in a fresh temporary folder, so no port is chosen
+and parallel test files never collide.  MindSpore ranks are spawned, and the pool also starts the
+scheduler process MindSpore's launcher would (``MS_ROLE=MS_SCHED``) on a port the OS hands out,
+and gives each rank the ``MS_*`` variables ``msrun`` would set.
+``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
 the list of results by rank.  An exception on any rank raises ``RankError`` with that rank's
 traceback; a case that outlives its timeout raises ``RankTimeout`` naming the ranks that did not
 finish, and the pool is restarted so later cases still run.  ``fn`` must be importable (a
-module-level function) because ranks are spawned: a function or arguments that cannot be pickled
-raise ``TypeError`` before anything is sent, and a result that cannot be pickled back (a tensor
+module-level function) because ranks are other processes: a function or arguments that cannot be
+pickled raise ``TypeError`` before anything is sent, and a result that cannot be pickled back (a tensor
 that requires grad, a lambda) raises ``RankError`` naming it, not a timeout.
 """
 
@@ -31,7 +34,24 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-_ctx = mp.get_context("spawn")
+_spawn = mp.get_context("spawn")
+_forkserver = mp.get_context("forkserver")
+# What a torch rank imports before its first case, imported once by the fork server ("__main__":
+# functions of the script that started the pool, found as a spawned rank finds them).
+_TORCH_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch"]
+
+
+def _context(platform: str) -> Any:
+    """How ranks of ``platform`` start: forked from the server on torch (a process that has only
+    imported modules, no threads, is safe to fork); spawned on MindSpore, which is not known to be."""
+    if platform == "mindspore":
+        return _spawn
+    # Takes effect when this process starts its fork server; a test module that set its own
+    # preload list first (the crash tests' launchers) shares that server, and ranks import the rest.
+    _forkserver.set_forkserver_preload(_TORCH_PRELOAD)
+    return _forkserver
+
+
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish before a restart
 
 
@@ -58,9 +78,13 @@ def _ms_scheduler_main(env: dict[str, str]) -> None:
 
 def _rank_main(
     rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str],
-    threads: int | None,
+    threads: int | None, path: list[str],
 ) -> None:
+    # The test process's environment and import path as they are now, whether this rank was
+    # spawned from it or forked from a server started earlier.
+    os.environ.clear()
     os.environ.update(env)
+    sys.path[:] = path
     from hp_dtensor.platform import current
 
     plat = current()
@@ -157,14 +181,16 @@ class RankPool:
             return
         self._dir = tempfile.mkdtemp(prefix="hp-rankpool-")
         store = os.path.join(self._dir, "store")
-        self._results = _ctx.Queue()
-        self._tasks = [_ctx.Queue() for _ in range(self.world_size)]
-        rank_env = self._launcher_env()
+        platform = self._platform()
+        ctx = _context(platform)
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        rank_env = self._launcher_env(platform)
         for rank in range(self.world_size):
-            p = _ctx.Process(
+            p = ctx.Process(
                 target=_rank_main,
                 args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results,
-                      {**self.env, **rank_env(rank)}, self.threads_per_rank),
+                      {**os.environ, **self.env, **rank_env(rank)}, self.threads_per_rank, list(sys.path)),
                 daemon=True,
             )
             p.start()
@@ -177,11 +203,13 @@ class RankPool:
             self.close(force=True)
             raise RankError(f"rank pool failed to start (ranks not up: {missing})\n{detail}")
 
-    def _launcher_env(self) -> Callable[[int], dict[str, str]]:
-        """Per-rank launcher variables: none on torch; the scheduler's address on MindSpore."""
+    def _platform(self) -> str:
         from hp_dtensor.platform import platform_name
 
-        name = self.env.get("HYPER_PARALLEL_PLATFORM") or platform_name()
+        return self.env.get("HYPER_PARALLEL_PLATFORM") or platform_name()
+
+    def _launcher_env(self, name: str) -> Callable[[int], dict[str, str]]:
+        """Per-rank launcher variables: none on torch; the scheduler's address on MindSpore."""
         if name != "mindspore":
             return lambda rank: {}
         common = {
@@ -189,7 +217,7 @@ class RankPool:
             "MS_WORKER_NUM": str(self.world_size), "GLOG_v": os.environ.get("GLOG_v", "3"),
             "HYPER_PARALLEL_PLATFORM": "mindspore",
         }
-        self._scheduler = _ctx.Process(target=_ms_scheduler_main, args=({**self.env, **common, "MS_ROLE": "MS_SCHED"},),
+        self._scheduler = _spawn.Process(target=_ms_scheduler_main, args=({**self.env, **common, "MS_ROLE": "MS_SCHED"},),
                                        daemon=True)
         self._scheduler.start()
         return lambda rank: {**common, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
