@@ -37,8 +37,11 @@ from typing import Any
 _spawn = mp.get_context("spawn")
 _forkserver = mp.get_context("forkserver")
 # What a torch rank imports before its first case, imported once by the fork server ("__main__":
-# functions of the script that started the pool, found as a spawned rank finds them).
-_TORCH_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch"]
+# functions of the script that started the pool, found as a spawned rank finds them).  torch
+# imports the last two lazily, about 1.1 s of CPU, the first time a tensor subclass (a DTensor)
+# becomes a Parameter and an optimizer is built: in nearly every rank that trains.
+_TORCH_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch",
+                  "torch.distributed.tensor", "torch._dynamo"]
 
 
 def _context(platform: str) -> Any:
