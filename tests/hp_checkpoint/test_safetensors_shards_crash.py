@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from hp_dtensor.testing import preload_in_fork_server
+
 SURVIVOR_TIMEOUT_S = 90
 POINTS = [("staged", 1), ("files-written", 1), ("files-written", 0), ("before-manifest", 0),
           ("before-commit", 0), ("after-commit", 0), ("returning", 1)]
@@ -30,8 +32,8 @@ RANDOM_STEPS = 200  # far more than fit before the kill: it always lands mid-job
 # Each trial's ranks are fresh processes forked from one server that has only imported these (no
 # rank state, no thread pool used), instead of interpreters that import torch per rank and trial.
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "hp_dtensor", "hp_checkpoint.safetensors_shards",
-                             "hp_checkpoint.manifest"])
+preload_in_fork_server(["torch", "torch.distributed", "hp_dtensor", "hp_checkpoint.safetensors_shards",
+                        "hp_checkpoint.manifest"])
 
 
 def _state(step: int, rank: int, world: int) -> dict[str, Any]:

@@ -224,3 +224,29 @@ def test_shared_ranks_out_of_step_are_not_handed_on() -> None:
         time.sleep(0.05)
     rank_pool_module._hand_on(pool)
     assert not pool.started and all(kept is not pool for kept in rank_pool_module._shared.values())
+
+
+_PRELOAD_SCRIPT = """
+import sys
+from hp_dtensor.testing import RankPool, preload_in_fork_server
+from hp_dtensor.testing.rank_pool import _loaded
+
+if __name__ == "__main__":
+    preload_in_fork_server(["json.tool"])  # as a crash test's module does, before any pool starts
+    with RankPool(1) as pool:
+        print(pool.run(_loaded, ["json.tool", "torch._dynamo", "torch.distributed.tensor"]))
+"""
+
+
+def test_preloads_add_up_in_the_one_fork_server(tmp_path) -> None:
+    """A module that adds its own preloads (the crash tests' launchers) does not take the pool's
+    away: in a fresh process, a rank forked after both asked finds both already imported."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "preload_main.py"
+    script.write_text(_PRELOAD_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[[True, True, True]]", done.stdout

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hp_checkpoint.manifest import verify_checkpoint
+from hp_dtensor.testing import preload_in_fork_server
 from hp_models.trainer.resume import trainer_extra
 
 STEPS = 6
@@ -29,7 +30,7 @@ FLAGS = ["--seq-len", "16", "--batch-size", "8", "--lr", "1e-2"]
 
 # Launchers are forked from a server that has only imported the trainer (no thread pool used).
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "hp_models.train", "hp_models.qwen3_5", "hp_checkpoint.manifest"])
+preload_in_fork_server(["torch", "hp_models.train", "hp_models.qwen3_5", "hp_checkpoint.manifest"])
 
 
 def _env(fault: str | None = None) -> dict[str, str]:

@@ -10,8 +10,15 @@ runs single-process geometry tests over the ``fake`` process group at any world 
 
 from hp_dtensor.testing.fake import fake_world
 from hp_dtensor.testing.outcomes import outcome, outcomes
-from hp_dtensor.testing.rank_pool import RankError, RankPool, RankTimeout, rank_pool_fixture, shared_pool
+from hp_dtensor.testing.rank_pool import (
+    RankError,
+    RankPool,
+    RankTimeout,
+    preload_in_fork_server,
+    rank_pool_fixture,
+    shared_pool,
+)
 from hp_dtensor.testing.rank_scripts import run_rank_scripts
 
-__all__ = ["RankError", "RankPool", "RankTimeout", "fake_world", "outcome", "outcomes", "rank_pool_fixture",
+__all__ = ["RankError", "RankPool", "RankTimeout", "fake_world", "outcome", "outcomes", "preload_in_fork_server", "rank_pool_fixture",
            "run_rank_scripts", "shared_pool"]

@@ -42,6 +42,16 @@ _forkserver = mp.get_context("forkserver")
 # becomes a Parameter and an optimizer is built: in nearly every rank that trains.
 _TORCH_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch",
                   "torch.distributed.tensor", "torch._dynamo"]
+_preload = list(_TORCH_PRELOAD)
+
+
+def preload_in_fork_server(modules: list[str]) -> None:
+    """Add ``modules`` to what this process's fork server imports when it starts.  The server is
+    shared by every forkserver process of the test process (pool ranks, the crash tests' launchers
+    and ranks), and ``multiprocessing`` keeps a single list: modules that fork from it add theirs
+    here, rather than replacing the list."""
+    _preload.extend(m for m in modules if m not in _preload)
+    _forkserver.set_forkserver_preload(_preload)
 
 
 def _context(platform: str) -> Any:
@@ -49,9 +59,7 @@ def _context(platform: str) -> Any:
     imported modules, no threads, is safe to fork); spawned on MindSpore, which is not known to be."""
     if platform == "mindspore":
         return _spawn
-    # Takes effect when this process starts its fork server; a test module that set its own
-    # preload list first (the crash tests' launchers) shares that server, and ranks import the rest.
-    _forkserver.set_forkserver_preload(_TORCH_PRELOAD)
+    preload_in_fork_server([])  # takes effect when this process starts its fork server
     return _forkserver
 
 
@@ -350,6 +358,11 @@ def shared_pool(world_size: int, *, timeout: float = 60.0, env: dict[str, str] |
         _shared.pop(next(iter(_shared))).close()
     pool.timeout = timeout
     return pool
+
+
+def _loaded(rank: int, world_size: int, modules: list[str]) -> list[bool]:
+    """Whether each of ``modules`` was imported before this call (what the fork server preloaded)."""
+    return [m in sys.modules for m in modules]
 
 
 def _in_step(rank: int, world_size: int) -> bool:
