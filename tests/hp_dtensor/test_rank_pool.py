@@ -229,7 +229,11 @@ def test_shared_ranks_out_of_step_are_not_handed_on() -> None:
 _PRELOAD_SCRIPT = """
 import sys
 from hp_dtensor.testing import RankPool, preload_in_fork_server
-from hp_dtensor.testing.rank_pool import _loaded
+
+
+def _loaded(rank, world_size, modules):  # found by the rank through the preloaded "__main__"
+    return [m in sys.modules for m in modules]
+
 
 if __name__ == "__main__":
     preload_in_fork_server(["json.tool"])  # as a crash test's module does, before any pool starts

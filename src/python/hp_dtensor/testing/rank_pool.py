@@ -40,9 +40,8 @@ _forkserver = mp.get_context("forkserver")
 # functions of the script that started the pool, found as a spawned rank finds them).  torch
 # imports the last two lazily, about 1.1 s of CPU, the first time a tensor subclass (a DTensor)
 # becomes a Parameter and an optimizer is built: in nearly every rank that trains.
-_TORCH_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch",
-                  "torch.distributed.tensor", "torch._dynamo"]
-_preload = list(_TORCH_PRELOAD)
+_preload = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch", "torch.distributed.tensor",
+            "torch._dynamo"]
 
 
 def preload_in_fork_server(modules: list[str]) -> None:
@@ -358,11 +357,6 @@ def shared_pool(world_size: int, *, timeout: float = 60.0, env: dict[str, str] |
         _shared.pop(next(iter(_shared))).close()
     pool.timeout = timeout
     return pool
-
-
-def _loaded(rank: int, world_size: int, modules: list[str]) -> list[bool]:
-    """Whether each of ``modules`` was imported before this call (what the fork server preloaded)."""
-    return [m in sys.modules for m in modules]
 
 
 def _in_step(rank: int, world_size: int) -> bool:
