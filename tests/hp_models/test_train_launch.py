@@ -6,6 +6,9 @@
 - Whatever ends the launcher (a rank's death, SIGTERM) it removes its ``hp-train-<pid>-*``
   folder; folders of launchers that are gone (killed with SIGKILL) are removed by the next one,
   those of live launchers never.
+- Ranks forked from the launcher's fork server die when the launcher is killed with SIGKILL (the
+  server exits, the kernel kills its children) and start with the launcher's current environment.
+  The SIGTERM case spawns its ranks, so both ways of starting them are covered.
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ def _sleeper(rank: int, world: int, folder: str, store: str, results: Any, launc
     time.sleep(120)
 
 
+def _launcher_folders(tmp: str) -> list[str]:
+    """The launchers' folders in ``tmp`` (``multiprocessing`` keeps its fork server's socket in a
+    ``pymp-*`` folder of its own, removed when the process that started the server exits)."""
+    return [n for n in os.listdir(tmp) if n.startswith("hp-train-")]
+
+
 @pytest.fixture
 def tmpdir_env(tmp_path: Any, monkeypatch: Any) -> str:
     tmp = str(tmp_path / "tmp")
@@ -76,11 +85,11 @@ def tmpdir_env(tmp_path: Any, monkeypatch: Any) -> str:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_killed_rank_is_named_first_with_its_signal(tmp_path: Any, tmpdir_env: str) -> None:
     with pytest.raises(launcher.JobFailed) as info:
-        launcher.launch(2, _killed_rank_and_survivor, (str(tmp_path),))
+        launcher.launch(2, _killed_rank_and_survivor, (str(tmp_path),), preload=())
     msg = str(info.value)
     assert msg.startswith("rank 0 was killed by SIGKILL (signal 9); then rank 1 failed: RuntimeError: "), msg
     assert msg.count("\n") == 0 and "Connection reset by peer" in msg, msg
-    assert os.listdir(tmpdir_env) == []  # the launcher's folder is gone
+    assert _launcher_folders(tmpdir_env) == []  # the launcher's folder is gone
 
 
 _SIGTERM_LAUNCHER = """
@@ -91,6 +100,57 @@ from hp_models import launch as launcher
 import test_train_launch as t
 launcher.launch(2, t._sleeper, ({folder!r},))
 """
+
+
+def _armed_sleeper(rank: int, world: int, folder: str, store: str, results: Any, launcher_pid: int) -> None:
+    """A rank as the trainer's: dies with its launcher, then reports its parent and environment."""
+    launcher.die_with_parent(launcher_pid)
+    with open(os.path.join(folder, f"rank{rank}.facts.tmp"), "w") as f:
+        f.write(f"{os.getppid()} {os.environ.get('HP_LAUNCH_PROBE')}")
+    os.replace(os.path.join(folder, f"rank{rank}.facts.tmp"), os.path.join(folder, f"rank{rank}.facts"))
+    _write_pid(folder, rank)
+    time.sleep(120)
+
+
+_SIGKILL_LAUNCHER = """
+import multiprocessing.forkserver, os, sys, tempfile
+sys.path[:0] = {paths!r}
+tempfile.tempdir = {tmp!r}
+from hp_models import launch as launcher
+import test_train_launch as t
+os.environ["HP_LAUNCH_PROBE"] = "first"
+multiprocessing.forkserver.ensure_running()
+os.environ["HP_LAUNCH_PROBE"] = "second"
+launcher.launch(2, t._armed_sleeper, ({folder!r},), preload=["test_train_launch"])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_of_the_launcher_kills_its_forked_ranks(tmp_path: Any, tmpdir_env: str) -> None:
+    """Ranks forked from the launcher's fork server (not its children) still die with it: the
+    server exits when the launcher is gone, and the kernel then kills its children.  They see the
+    launcher's environment as it is when they start, not as it was when the server started."""
+    folder = str(tmp_path)
+    code = _SIGKILL_LAUNCHER.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, folder=folder)
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 90
+        while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
+            assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
+            time.sleep(0.05)
+        ranks = [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
+        facts = [open(os.path.join(folder, f"rank{r}.facts")).read().split() for r in (0, 1)]
+        assert all(parent != str(proc.pid) for parent, _ in facts), (facts, proc.pid)  # forked by the server
+        assert [probe for _, probe in facts] == ["second", "second"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    end = time.monotonic() + 10
+    while not all(_zombie_or_gone(p) for p in ranks):
+        assert time.monotonic() < end, "the ranks outlived the launcher killed with SIGKILL"
+        time.sleep(0.05)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -110,7 +170,7 @@ def test_sigterm_stops_the_ranks_and_removes_the_folder(tmp_path: Any, tmpdir_en
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert os.listdir(tmpdir_env) == []
+    assert _launcher_folders(tmpdir_env) == []
     end = time.monotonic() + 10
     while not all(_zombie_or_gone(p) for p in ranks):
         assert time.monotonic() < end, "the ranks outlived the launcher"

@@ -2,7 +2,7 @@
 steps) and reading what a run left behind.
 
 Each run's launcher is a process of its own forked from a server that imported the trainer once
-(its ranks are spawned by the trainer as always), instead of an interpreter per run re-importing
+(its ranks fork from a server of its own, as the trainer does), instead of an interpreter per run re-importing
 torch and the model.
 """
 
@@ -140,21 +140,31 @@ def resume(out: Path, path: str, step: int, *layout: str, announced: tuple[str, 
     return losses(out)
 
 
-def rank_pids(launcher: int) -> list[int]:
+def _children(pid: int) -> list[tuple[int, bytes]]:
+    """The child processes of ``pid``, with their command lines."""
     try:
-        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
             kids = [int(x) for x in f.read().split()]
     except FileNotFoundError:
         return []
     out = []
-    for pid in kids:
+    for kid in kids:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                out.append((kid, f.read()))
         except FileNotFoundError:
             continue
+    return out
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The launcher's ranks: the children of its fork server (or, spawned, its own children)."""
+    out = []
+    for pid, cmd in _children(launcher):
         if b"spawn_main" in cmd:
             out.append(pid)
+        elif b"multiprocessing.forkserver" in cmd:
+            out.extend(kid for kid, _ in _children(pid))
     return out
 
 

@@ -52,8 +52,15 @@ def _worker(rank: int, world: int, args: Args, layout: TrainLayout, store: str, 
         results.put((rank, False, ("user", line) if line is not None else ("traceback", traceback.format_exc())))
 
 
+# What every rank imports before its first step, imported once by the launcher's fork server.
+# torch imports the last two lazily, the first time a DTensor becomes a Parameter and an
+# optimizer is built.
+RANK_MODULES = ("hp_models.trainer.loop", "hp_models.trainer.checks", "hp_models.train_checkpoint",
+                "hp_dtensor.platform.torch", "torch.distributed.tensor", "torch._dynamo")
+
+
 def run_spawned(args: Args, layout: TrainLayout) -> dict[str, Any]:
-    """Spawn the ranks and wait for them.  A rank that fails or dies (killed, out of memory) stops
+    """Start the ranks and wait for them.  A rank that fails or dies (killed, out of memory) stops
     the job: the others are killed and the error names the rank; the ranks die with the launcher."""
-    out: dict[str, Any] = launch(layout.world_size, _worker, (args, layout))
+    out: dict[str, Any] = launch(layout.world_size, _worker, (args, layout), preload=RANK_MODULES)
     return out
