@@ -1,4 +1,4 @@
-"""The trainer under real ``kill -9`` from outside (tiny model, tp=2 on 2 spawned ranks, 6 steps).
+"""The trainer under real ``kill -9`` from outside (tiny model, tp=2 on 2 ranks, 6 steps).
 Its checkpoints are DCP here, the format of pipeline-parallel runs (the default format's kills
 at each point of a save are ``test_train_crash_save_points.py``'s).
 

@@ -1,4 +1,4 @@
-"""The trainer killed at each point of a save (tiny model, tp=2 on 2 spawned ranks, 6 steps), in
+"""The trainer killed at each point of a save (tiny model, tp=2 on 2 ranks, 6 steps), in
 the default checkpoint format (safetensors-shards at pp=1).
 
 A rank is killed through the checkpoint's fault hook at each point of a save (staging made, files

@@ -1,6 +1,6 @@
 # mypy: disable-error-code="no-untyped-def"
 """The trainer's checkpoint directory guards (tiny model on one process, a few steps; one run on 2
-spawned ranks).
+ranks).
 
 - A fresh run into a directory holding an earlier run's checkpoints is refused before it trains
   (it would prune its own saves as older than theirs, and a later ``--resume`` would continue the
@@ -8,7 +8,7 @@ spawned ranks).
 - ``--resume`` refuses a checkpoint of another run, naming each differing setting.
 - ``--resume`` says which newer step directories it skipped and why.
 - A damaged checkpoint ends the command with one ``error:`` line naming the file and what to do,
-  in one process and from spawned ranks, whose launcher leaves no temporary folder behind.
+  in one process and from 2 ranks, whose launcher leaves no temporary folder behind.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_resume_names_what_it_skips_and_a_damaged_file_is_one_line(tmp_path: Pat
     assert f"checkpoint {ckpt}/step-00000002: file 'shard-rank00000.safetensors' is corrupted" in errors[0], errors
     assert f"move {ckpt}/step-00000002 out of {ckpt} to resume from the checkpoint before it" in errors[0], errors
 
-    # the same from 2 spawned ranks (tp=2: the layout may change on resume): one line, once
+    # the same from 2 ranks (tp=2: the layout may change on resume): one line, once
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HP_CHECKPOINT_FAULT")}

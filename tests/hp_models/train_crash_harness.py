@@ -1,4 +1,4 @@
-"""Running the trainer's launcher for the crash tests (tiny model, tp=2 on 2 spawned ranks, 6
+"""Running the trainer's launcher for the crash tests (tiny model, tp=2 on 2 ranks, 6
 steps) and reading what a run left behind.
 
 Each run's launcher is a process of its own forked from a server that imported the trainer once

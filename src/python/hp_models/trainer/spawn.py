@@ -1,4 +1,4 @@
-"""Running the ranks: each spawned rank's entry point, the launch (``hp_models.launch`` supervises
+"""Running the ranks: each rank's entry point, the launch (``hp_models.launch`` supervises
 them and names a rank that dies), and the errors a user can fix, reported as one line."""
 
 from __future__ import annotations
