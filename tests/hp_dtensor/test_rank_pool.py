@@ -236,20 +236,25 @@ def _loaded(rank, world_size, modules):  # found by the rank through the preload
 
 
 if __name__ == "__main__":
-    preload_in_fork_server(["json.tool"])  # as a crash test's module does, before any pool starts
+    {add}  # before any pool starts
     with RankPool(1) as pool:
         print(pool.run(_loaded, ["json.tool", "torch._dynamo", "torch.distributed.tensor"]))
 """
 
 
-def test_preloads_add_up_in_the_one_fork_server(tmp_path) -> None:
-    """A module that adds its own preloads (the crash tests' launchers) does not take the pool's
-    away: in a fresh process, a rank forked after both asked finds both already imported."""
+@pytest.mark.parametrize("add", [
+    'preload_in_fork_server(["json.tool"])',  # as a crash test's module does
+    'import multiprocessing; multiprocessing.set_forkserver_preload(["__main__", "json.tool"])',  # another library
+], ids=["through_the_pool", "set_by_another_user"])
+def test_preloads_add_up_in_the_one_fork_server(tmp_path, add: str) -> None:
+    """Preloads that another user of the fork server set (the crash tests' launchers, the trainer's
+    launcher) and the pool's add up: in a fresh process, a rank forked after both asked finds both
+    already imported."""
     import subprocess
     import sys
 
     script = tmp_path / "preload_main.py"
-    script.write_text(_PRELOAD_SCRIPT)
+    script.write_text(_PRELOAD_SCRIPT.replace("{add}", add))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
 import queue
@@ -40,17 +41,18 @@ _forkserver = mp.get_context("forkserver")
 # functions of the script that started the pool, found as a spawned rank finds them).  torch
 # imports the last two lazily, about 1.1 s of CPU, the first time a tensor subclass (a DTensor)
 # becomes a Parameter and an optimizer is built: in nearly every rank that trains.
-_preload = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch", "torch.distributed.tensor",
-            "torch._dynamo"]
+_POOL_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch",
+                 "torch.distributed.tensor", "torch._dynamo"]
 
 
 def preload_in_fork_server(modules: list[str]) -> None:
     """Add ``modules`` to what this process's fork server imports when it starts.  The server is
-    shared by every forkserver process of the test process (pool ranks, the crash tests' launchers
-    and ranks), and ``multiprocessing`` keeps a single list: modules that fork from it add theirs
-    here, rather than replacing the list."""
-    _preload.extend(m for m in modules if m not in _preload)
-    _forkserver.set_forkserver_preload(_preload)
+    shared by every forkserver process of the test process (pool ranks, the crash tests' launchers,
+    the trainer's ranks), and ``multiprocessing`` keeps a single list whose setter replaces it:
+    every user adds to the list it finds (as ``hp_models.launch`` does)."""
+    current = list(getattr(mp_forkserver._forkserver, "_preload_modules", ["__main__"]))
+    added = [m for m in [*_POOL_PRELOAD, *modules] if m not in current]
+    _forkserver.set_forkserver_preload(current + added)
 
 
 def _context(platform: str) -> Any:
