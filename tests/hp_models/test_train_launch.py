@@ -177,6 +177,16 @@ def test_sigterm_stops_the_ranks_and_removes_the_folder(tmp_path: Any, tmpdir_en
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("preload", [None, ()], ids=["spawned", "forked"])
+def test_arguments_that_cannot_be_pickled_raise_their_own_error(tmpdir_env: str, preload: Any) -> None:
+    """A rank that fails to start (its arguments cannot be sent) raises the pickling error itself,
+    not an error of the cleanup of ranks that never started; the folder is removed."""
+    with pytest.raises(Exception, match="(?i)pickle") as info:
+        launcher.launch(2, _sleeper, (lambda: None,), preload=preload)
+    assert "NoneType" not in str(info.value), info.value
+    assert _launcher_folders(tmpdir_env) == []
+
+
 def test_stale_folders_of_dead_launchers_are_removed(tmpdir_env: str) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process

@@ -263,7 +263,7 @@ def launch(world: int, target: Any, args: tuple[Any, ...], *, preload: Sequence[
         return out
     finally:
         for p in procs:
-            if p.exitcode is None and not finished:
+            if p.pid is not None and p.exitcode is None and not finished:  # started and running
                 p.kill()
         for p in procs:
             if p.pid is None:
