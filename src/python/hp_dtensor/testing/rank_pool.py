@@ -90,13 +90,12 @@ def _ms_scheduler_main(env: dict[str, str]) -> None:
 
 def _rank_main(
     rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str],
-    threads: int | None, path: list[str],
+    threads: int | None,
 ) -> None:
-    # The test process's environment and import path as they are now, whether this rank was
-    # spawned from it or forked from a server started earlier.
+    # The test process's environment as it is now, whether this rank was spawned from it or forked
+    # from a server started earlier (``multiprocessing`` installs the caller's ``sys.path`` itself).
     os.environ.clear()
     os.environ.update(env)
-    sys.path[:] = path
     from hp_dtensor.platform import current
 
     plat = current()
@@ -202,7 +201,7 @@ class RankPool:
             p = ctx.Process(
                 target=_rank_main,
                 args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results,
-                      {**os.environ, **self.env, **rank_env(rank)}, self.threads_per_rank, list(sys.path)),
+                      {**os.environ, **self.env, **rank_env(rank)}, self.threads_per_rank),
                 daemon=True,
             )
             p.start()
