@@ -68,6 +68,22 @@ def _sleeper(rank: int, world: int, folder: str, store: str, results: Any, launc
     time.sleep(120)
 
 
+def _wait_for_ranks(folder: str, proc: Any, limit_s: float) -> list[int]:
+    """The pids of ranks 0 and 1 of launcher ``proc``, once both wrote them."""
+    end = time.monotonic() + limit_s
+    while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
+        assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
+        time.sleep(0.05)
+    return [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
+
+
+def _wait_until_gone(ranks: list[int], what: str) -> None:
+    end = time.monotonic() + 10
+    while not all(_zombie_or_gone(p) for p in ranks):
+        assert time.monotonic() < end, f"the ranks outlived the launcher {what}"
+        time.sleep(0.05)
+
+
 def _launcher_folders(tmp: str) -> list[str]:
     """The launchers' folders in ``tmp`` (``multiprocessing`` keeps its fork server's socket in a
     ``pymp-*`` folder of its own, removed when the process that started the server exits)."""
@@ -121,7 +137,7 @@ import test_train_launch as t
 os.environ["HP_LAUNCH_PROBE"] = "first"
 multiprocessing.forkserver.ensure_running()
 os.environ["HP_LAUNCH_PROBE"] = "second"
-launcher.launch(2, t._armed_sleeper, ({folder!r},), preload=["test_train_launch"])
+launcher.launch(2, t._armed_sleeper, ({folder!r},), preload=())  # forked from the server started above
 """
 
 
@@ -134,11 +150,7 @@ def test_sigkill_of_the_launcher_kills_its_forked_ranks(tmp_path: Any, tmpdir_en
     code = _SIGKILL_LAUNCHER.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, folder=folder)
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        end = time.monotonic() + 90
-        while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
-            assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
-            time.sleep(0.05)
-        ranks = [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
+        ranks = _wait_for_ranks(folder, proc, 90)
         facts = [open(os.path.join(folder, f"rank{r}.facts")).read().split() for r in (0, 1)]
         assert all(parent != str(proc.pid) for parent, _ in facts), (facts, proc.pid)  # forked by the server
         assert [probe for _, probe in facts] == ["second", "second"]
@@ -147,10 +159,7 @@ def test_sigkill_of_the_launcher_kills_its_forked_ranks(tmp_path: Any, tmpdir_en
     finally:
         if proc.poll() is None:
             proc.kill()
-    end = time.monotonic() + 10
-    while not all(_zombie_or_gone(p) for p in ranks):
-        assert time.monotonic() < end, "the ranks outlived the launcher killed with SIGKILL"
-        time.sleep(0.05)
+    _wait_until_gone(ranks, "killed with SIGKILL")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -159,22 +168,15 @@ def test_sigterm_stops_the_ranks_and_removes_the_folder(tmp_path: Any, tmpdir_en
     code = _SIGTERM_LAUNCHER.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, folder=folder)
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        end = time.monotonic() + 60
-        while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
-            assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
-            time.sleep(0.05)
+        ranks = _wait_for_ranks(folder, proc, 60)
         assert [n for n in os.listdir(tmpdir_env) if n.startswith(f"hp-train-{proc.pid}-")]
-        ranks = [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
     assert _launcher_folders(tmpdir_env) == []
-    end = time.monotonic() + 10
-    while not all(_zombie_or_gone(p) for p in ranks):
-        assert time.monotonic() < end, "the ranks outlived the launcher"
-        time.sleep(0.05)
+    _wait_until_gone(ranks, "stopped with SIGTERM")
 
 
 @pytest.mark.parametrize("preload", [None, ()], ids=["spawned", "forked"])

@@ -2,8 +2,8 @@
 steps) and reading what a run left behind.
 
 Each run's launcher is a process of its own forked from a server that imported the trainer once
-(its ranks fork from a server of its own, as the trainer does), instead of an interpreter per run re-importing
-torch and the model.
+(its ranks fork from a server of its own, as the trainer does), instead of an interpreter per run
+re-importing torch and the model.
 """
 
 from __future__ import annotations

@@ -233,10 +233,10 @@ def launch(world: int, target: Any, args: tuple[Any, ...], *, preload: Sequence[
     supervise them (``supervise``) and return rank 0's result.  ``preload``: the modules every
     rank imports, imported once by the fork server the ranks are then forked from (on Linux);
     ``None`` spawns each rank afresh, for a framework not known to be safe in a forked process
-    (MindSpore).  ``target`` calls ``die_with_parent`` first.  Whatever ends the launcher (success, a rank's
-    failure or death, Ctrl-C, SIGTERM), the ranks are stopped and its temporary folder
-    (``hp-train-<pid>-*``, the rendezvous store) is removed; folders of launchers killed earlier
-    are removed at start."""
+    (MindSpore).  ``target`` calls ``die_with_parent`` first.  Whatever ends the launcher
+    (success, a rank's failure or death, Ctrl-C, SIGTERM), the ranks are stopped and its temporary
+    folder (``hp-train-<pid>-*``, the rendezvous store) is removed; folders of launchers killed
+    earlier are removed at start."""
     remove_stale_temp_dirs()
     ctx = _rank_context(preload)
     folder = tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{os.getpid()}-")
