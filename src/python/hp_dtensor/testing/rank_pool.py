@@ -1,10 +1,10 @@
 """``RankPool``: N real ranks started once, running many test functions.
 
-Each rank is a process of its own with its own default process group.  On torch a rank is forked
-from a server process that imported torch and the backend once (``multiprocessing``'s forkserver):
-a spawned rank spent about 1.8 s of CPU importing them, paid again by every pool a test run starts.
-Ranks rendezvous (gloo on CPU) on a ``FileStore`` in a fresh temporary folder, so no port is chosen
-and parallel test files never collide.  MindSpore ranks are spawned, and the pool also starts the
+Each rank is a process of its own with its own default process group, forked from a server
+process that imported the framework and the backend once (``multiprocessing``'s forkserver): a
+spawned rank spent about 1.8 s of CPU importing torch, or MindSpore, paid again by every pool a test
+run starts.  Torch ranks rendezvous (gloo on CPU) on a ``FileStore`` in a fresh temporary folder, so
+no port is chosen and parallel test files never collide.  For MindSpore the pool also starts the
 scheduler process MindSpore's launcher would (``MS_ROLE=MS_SCHED``) on a port the OS hands out,
 and gives each rank the ``MS_*`` variables ``msrun`` would set.
 ``pool.run(fn, *args)`` calls ``fn(rank, world_size, *args)`` on every rank and returns
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-_spawn = mp.get_context("spawn")
 _forkserver = mp.get_context("forkserver")
 # What a torch rank imports before its first case, imported once by the fork server ("__main__":
 # functions of the script that started the pool, found as a spawned rank finds them).  torch
@@ -43,6 +42,11 @@ _forkserver = mp.get_context("forkserver")
 # becomes a Parameter and an optimizer is built: in nearly every rank that trains.
 _POOL_PRELOAD = ["__main__", "hp_dtensor.testing.rank_pool", "hp_dtensor.platform.torch",
                  "torch.distributed.tensor", "torch._dynamo"]
+# A MindSpore rank's (and its scheduler's), preloaded where a MindSpore pool starts or MindSpore is
+# the test process's platform: MindSpore's tests run torch pools too (their references), and the
+# server imports whatever any of its ranks will need.  (The server skips a module that is not
+# installed.)
+_MINDSPORE_PRELOAD = ["hp_dtensor.platform.mindspore"]
 
 
 def preload_in_fork_server(modules: list[str]) -> None:
@@ -51,16 +55,16 @@ def preload_in_fork_server(modules: list[str]) -> None:
     the trainer's ranks), and ``multiprocessing`` keeps a single list whose setter replaces it:
     every user adds to the list it finds (as ``hp_models.launch`` does)."""
     current = list(getattr(mp_forkserver._forkserver, "_preload_modules", ["__main__"]))
-    added = [m for m in [*_POOL_PRELOAD, *modules] if m not in current]
+    mindspore = _MINDSPORE_PRELOAD if os.environ.get("HYPER_PARALLEL_PLATFORM") == "mindspore" else []
+    added = [m for m in [*_POOL_PRELOAD, *mindspore, *modules] if m not in current]
     _forkserver.set_forkserver_preload(current + added)
 
 
 def _context(platform: str) -> Any:
-    """How ranks of ``platform`` start: forked from the server on torch (a process that has only
-    imported modules, no threads, is safe to fork); spawned on MindSpore, which is not known to be."""
-    if platform == "mindspore":
-        return _spawn
-    preload_in_fork_server([])  # takes effect when this process starts its fork server
+    """Ranks of ``platform`` fork from the server.  The server has only imported modules: torch and
+    MindSpore each leave one idle native thread behind, which a forked child does without; each
+    framework's runtime and communication start in the rank (``init_rank``), after the fork."""
+    preload_in_fork_server(_MINDSPORE_PRELOAD if platform == "mindspore" else [])  # (until the server starts)
     return _forkserver
 
 
@@ -82,6 +86,7 @@ def _free_port() -> int:
 
 
 def _ms_scheduler_main(env: dict[str, str]) -> None:
+    os.environ.clear()  # (as a rank: the server's environment may be older than the pool's)
     os.environ.update(env)
     from hp_dtensor.platform import current
 
@@ -96,12 +101,18 @@ def _rank_main(
     # from a server started earlier (``multiprocessing`` installs the caller's ``sys.path`` itself).
     os.environ.clear()
     os.environ.update(env)
-    from hp_dtensor.platform import current
+    from hp_dtensor.platform import current, platform_name
 
     plat = current()
     if threads is not None:
         plat.set_num_threads(threads)
     try:
+        if plat.NAME != platform_name():
+            # The server imported a module that selected its own platform, for good: module-level
+            # names bound then would stay that framework's in every rank forked from it.
+            raise RuntimeError(
+                f"this {platform_name()} rank was forked from a fork server that selected {plat.NAME}; "
+                f"preload only modules that do not select a platform (preload_in_fork_server)")
         plat.init_rank(backend, store_path, rank, world_size, timeout_s=300)
     except BaseException:
         results.put((-1, rank, False, traceback.format_exc()))
@@ -196,7 +207,7 @@ class RankPool:
         ctx = _context(platform)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        rank_env = self._launcher_env(platform)
+        rank_env = self._launcher_env(platform, ctx)
         for rank in range(self.world_size):
             p = ctx.Process(
                 target=_rank_main,
@@ -219,7 +230,7 @@ class RankPool:
 
         return self.env.get("HYPER_PARALLEL_PLATFORM") or platform_name()
 
-    def _launcher_env(self, name: str) -> Callable[[int], dict[str, str]]:
+    def _launcher_env(self, name: str, ctx: Any) -> Callable[[int], dict[str, str]]:
         """Per-rank launcher variables: none on torch; the scheduler's address on MindSpore."""
         if name != "mindspore":
             return lambda rank: {}
@@ -228,8 +239,8 @@ class RankPool:
             "MS_WORKER_NUM": str(self.world_size), "GLOG_v": os.environ.get("GLOG_v", "3"),
             "HYPER_PARALLEL_PLATFORM": "mindspore",
         }
-        self._scheduler = _spawn.Process(target=_ms_scheduler_main, args=({**self.env, **common, "MS_ROLE": "MS_SCHED"},),
-                                       daemon=True)
+        self._scheduler = ctx.Process(
+            target=_ms_scheduler_main, args=({**os.environ, **self.env, **common, "MS_ROLE": "MS_SCHED"},), daemon=True)
         self._scheduler.start()
         return lambda rank: {**common, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
 
