@@ -68,13 +68,13 @@ def _sleeper(rank: int, world: int, folder: str, store: str, results: Any, launc
     time.sleep(120)
 
 
-def _wait_for_ranks(folder: str, proc: Any, limit_s: float) -> list[int]:
-    """The pids of ranks 0 and 1 of launcher ``proc``, once both wrote them."""
+def _wait_for_ranks(folder: str, proc: Any, limit_s: float, ranks: tuple[int, ...] = (0, 1)) -> list[int]:
+    """The pids of ``ranks`` of launcher ``proc``, once all wrote them."""
     end = time.monotonic() + limit_s
-    while not all(os.path.exists(_pid_file(folder, r)) for r in (0, 1)):
+    while not all(os.path.exists(_pid_file(folder, r)) for r in ranks):
         assert time.monotonic() < end and proc.poll() is None, "the ranks did not start"
         time.sleep(0.05)
-    return [int(open(_pid_file(folder, r)).read()) for r in (0, 1)]
+    return [int(open(_pid_file(folder, r)).read()) for r in ranks]
 
 
 def _wait_until_gone(ranks: list[int], what: str) -> None:
@@ -119,7 +119,8 @@ launcher.launch(2, t._sleeper, ({folder!r},))
 
 
 def _armed_sleeper(rank: int, world: int, folder: str, store: str, results: Any, launcher_pid: int) -> None:
-    """A rank as the trainer's: dies with its launcher, then reports its parent and environment."""
+    """A rank as the trainer's (or, as rank 2, a process beside them as MindSpore's scheduler):
+    dies with its launcher, then reports its parent and environment."""
     launcher.die_with_parent(launcher_pid)
     with open(os.path.join(folder, f"rank{rank}.facts.tmp"), "w") as f:
         f.write(f"{os.getppid()} {os.environ.get('HP_LAUNCH_PROBE')}")
@@ -137,23 +138,26 @@ import test_train_launch as t
 os.environ["HP_LAUNCH_PROBE"] = "first"
 multiprocessing.forkserver.ensure_running()
 os.environ["HP_LAUNCH_PROBE"] = "second"
-launcher.launch(2, t._armed_sleeper, ({folder!r},), preload=())  # forked from the server started above
+# forked from the server started above: a process beside the ranks, then the ranks
+launcher.start_beside(t._armed_sleeper, (2, 2, {folder!r}, "", None, os.getpid()), preload=())
+launcher.launch(2, t._armed_sleeper, ({folder!r},), preload=())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkill_of_the_launcher_kills_its_forked_ranks(tmp_path: Any, tmpdir_env: str) -> None:
-    """Ranks forked from the launcher's fork server (not its children) still die with it: the
-    server exits when the launcher is gone, and the kernel then kills its children.  They see the
-    launcher's environment as it is when they start, not as it was when the server started."""
+    """Ranks forked from the launcher's fork server (not its children) still die with it, and so
+    does a process started beside them (``start_beside``): the server exits when the launcher is
+    gone, and the kernel then kills its children.  They see the launcher's environment as it is
+    when they start, not as it was when the server started."""
     folder = str(tmp_path)
     code = _SIGKILL_LAUNCHER.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, folder=folder)
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        ranks = _wait_for_ranks(folder, proc, 90)
-        facts = [open(os.path.join(folder, f"rank{r}.facts")).read().split() for r in (0, 1)]
+        ranks = _wait_for_ranks(folder, proc, 90, (0, 1, 2))
+        facts = [open(os.path.join(folder, f"rank{r}.facts")).read().split() for r in (0, 1, 2)]
         assert all(parent != str(proc.pid) for parent, _ in facts), (facts, proc.pid)  # forked by the server
-        assert [probe for _, probe in facts] == ["second", "second"]
+        assert [probe for _, probe in facts] == ["second"] * 3
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:

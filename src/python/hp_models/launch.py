@@ -228,12 +228,23 @@ def _rank_entry(target: Any, env: dict[str, str], *args: Any) -> None:
     target(*args)
 
 
+def start_beside(target: Any, args: tuple[Any, ...], *, preload: Sequence[str] | None = None) -> Any:
+    """Start one process that serves the ranks (MindSpore's scheduler) the way ``launch`` starts a
+    rank: forked from the same server where ``preload`` is given (on Linux), else spawned, with the
+    launcher's environment as it is now.  ``target(*args)`` calls ``die_with_parent`` first; the
+    caller stops and joins the process."""
+    proc = _rank_context(preload).Process(target=_rank_entry, args=(target, dict(os.environ), *args), daemon=True)
+    proc.start()
+    return proc
+
+
 def launch(world: int, target: Any, args: tuple[Any, ...], *, preload: Sequence[str] | None = None) -> Any:
     """Start ``world`` ranks running ``target(rank, world, *args, store, results, launcher_pid)``,
     supervise them (``supervise``) and return rank 0's result.  ``preload``: the modules every
     rank imports, imported once by the fork server the ranks are then forked from (on Linux);
-    ``None`` spawns each rank afresh, for a framework not known to be safe in a forked process
-    (MindSpore).  ``target`` calls ``die_with_parent`` first.  Whatever ends the launcher
+    ``None`` spawns each rank afresh.  A preloaded module must not select the platform when
+    imported: the server's choice would be every forked rank's.  ``target`` calls
+    ``die_with_parent`` first.  Whatever ends the launcher
     (success, a rank's failure or death, Ctrl-C, SIGTERM), the ranks are stopped and its temporary
     folder (``hp-train-<pid>-*``, the rendezvous store) is removed; folders of launchers killed
     earlier are removed at start."""

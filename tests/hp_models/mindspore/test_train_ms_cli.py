@@ -86,3 +86,30 @@ def test_the_command_on_two_mindspore_ranks(tmp_path) -> None:
     assert manifest["kind"] == "safetensors-shards" and manifest["framework"] == "mindspore"
     assert sorted(manifest["files"]) == ["shard-rank00000.safetensors", "shard-rank00001.safetensors"]
     assert manifest["extra"]["user"]["losses"] == log["losses"] and manifest["extra"]["values"] == {"adam_step": 3}
+
+
+_AFTER_A_TORCH_SERVER = """
+import multiprocessing.forkserver, os, sys
+from hp_models import train
+from hp_models.launch import add_fork_server_preload
+
+# As in a process whose torch trainer already ran: its fork server imported the torch trainer,
+# which selected torch for every process forked from it.
+add_fork_server_preload(["hp_models.trainer.loop"])
+multiprocessing.forkserver.ensure_running()
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_fork_server_that_selected_torch_is_refused(tmp_path) -> None:
+    """The MindSpore trainer's ranks fork from the launcher's fork server: one that had selected
+    torch would hand them the torch backend; the rank refuses, and the command says why."""
+    env = {k: v for k, v in os.environ.items() if k != "HYPER_PARALLEL_PLATFORM"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _AFTER_A_TORCH_SERVER, "--backend", "mindspore", "--nproc", "1", "--tp", "1",
+         "--dp-shard", "1", "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--out-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "a MindSpore rank forked with the torch backend already selected" in proc.stderr, proc.stderr[-3000:]

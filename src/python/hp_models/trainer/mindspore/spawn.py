@@ -2,17 +2,17 @@
 on a port the OS hands out, and one worker per rank with ``MS_ROLE=MS_WORKER``,
 ``MS_SCHED_HOST``, ``MS_SCHED_PORT``, ``MS_WORKER_NUM`` and ``MS_NODE_ID``; the workers join
 mccl at the scheduler.  ``hp_models.launch`` supervises the workers (a rank that dies stops the
-job and is named; the ranks die with the launcher), the scheduler is stopped with them.  Under
-``msrun`` itself the command is the scheduler or one worker (``run_launched``).
+job and is named; the ranks die with the launcher), the scheduler is stopped with them.  On
+Linux both fork from the launcher's fork server, which imports MindSpore once for all of them.
+Under ``msrun`` itself the command is the scheduler or one worker (``run_launched``).
 
 Before the ranks start, a torch process writes the torch trainer's initial weights for the seed
 (``weights.initial_state_file``) to the launcher's temporary folder.  No MindSpore is imported
-by the launcher.
+by the launcher itself.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import socket
@@ -21,12 +21,16 @@ import traceback
 from typing import Any
 
 from hp_models.job import TrainLayout
-from hp_models.launch import die_with_parent, launch
+from hp_models.launch import die_with_parent, launch, start_beside
 from hp_models.trainer.args import Args
 from hp_models.trainer.mindspore.weights import initial_state_file
 from hp_models.trainer.spawn import user_error
 
 _PLATFORM = {"HYPER_PARALLEL_PLATFORM": "mindspore"}
+# What the scheduler and every worker import first, imported once by the launcher's fork server:
+# MindSpore's DTensor backend, and torch (the model's config package imports the torch model).
+# Neither selects the platform when imported, so each rank still selects MindSpore itself.
+RANK_MODULES = ("hp_dtensor.platform.mindspore", "torch")
 
 
 def _free_port() -> int:
@@ -55,6 +59,9 @@ def _worker(rank: int, world: int, args: Args, layout: TrainLayout, weights: str
         from hp_models.trainer.mindspore.loop import train_ms
 
         plat = current()
+        if plat.NAME != "mindspore":  # the fork server had selected another platform for good
+            raise RuntimeError(f"a MindSpore rank forked with the {plat.NAME} backend already selected; launch the "
+                               f"MindSpore trainer from a process that has not run the {plat.NAME} trainer")
         plat.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # synchronous ops (see its docstring)
         plat.init_rank(None, store, rank, world, timeout_s=600)
         out = train_ms(args, layout, load_config(args), rank, weights, distributed=world > 1, quiet=quiet)
@@ -77,10 +84,8 @@ def run_spawned_ms(args: Args, layout: TrainLayout, config: Any, *, quiet: bool 
         if world > 1:
             env.update({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(_free_port()),
                         "MS_WORKER_NUM": str(world), "GLOG_v": os.environ.get("GLOG_v", "3")})
-            scheduler = mp.get_context("spawn").Process(
-                target=_scheduler, args=({**env, "MS_ROLE": "MS_SCHED"}, os.getpid()), daemon=True)
-            scheduler.start()
-        out: dict[str, Any] = launch(world, _worker, (args, layout, weights, quiet, env))
+            scheduler = start_beside(_scheduler, ({**env, "MS_ROLE": "MS_SCHED"}, os.getpid()), preload=RANK_MODULES)
+        out: dict[str, Any] = launch(world, _worker, (args, layout, weights, quiet, env), preload=RANK_MODULES)
         return out
     finally:
         if scheduler is not None:
