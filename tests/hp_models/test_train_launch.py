@@ -202,3 +202,43 @@ def test_stale_folders_of_dead_launchers_are_removed(tmpdir_env: str) -> None:
     removed = launcher.remove_stale_temp_dirs()
     assert removed == [os.path.join(tmpdir_env, names[0])]
     assert sorted(os.listdir(tmpdir_env)) == sorted(names[1:])
+
+
+def _reports(rank: int, world: int, store: str, results: Any, launcher_pid: int) -> None:
+    results.put((rank, True, f"rank {rank} of {world}"))
+
+
+_SCRIPT = """
+import sys, tempfile
+sys.path[:0] = {paths!r}
+tempfile.tempdir = {tmp!r}
+from hp_models import launch as launcher
+import test_train_launch as t
+
+{call}
+"""
+_CALLS = {
+    "top_level": "print(launcher.launch(2, t._reports, ()))",
+    "top_level_beside": "launcher.start_beside(t._reports, (0, 1, '', None, 0))",
+    "guarded": "def run():\n    print(launcher.launch(2, t._reports, ()))\n\n\nif '__main__' == __name__:\n    run()",
+    "guarded_forked": "if __name__ == '__main__' and True:\n    print(launcher.launch(2, t._reports, (), preload=()))",
+}
+
+
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_a_script_must_guard_the_ranks_it_starts(tmp_path: Any, tmpdir_env: str, call: str) -> None:
+    """A script that starts ranks from its top level, outside ``if __name__ == "__main__":``, gets
+    one error naming its file and line, before any rank starts (each rank imports the script again
+    and would start the job anew); guarded, however the condition is written, the job runs."""
+    script = tmp_path / f"{call}.py"
+    script.write_text(_SCRIPT.format(paths=[os.path.dirname(__file__), *sys.path], tmp=tmpdir_env, call=_CALLS[call]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    if call.startswith("guarded"):
+        assert done.returncode == 0 and done.stdout.strip() == "rank 0 of 2", (done.stdout, done.stderr[-2000:])
+        return
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    line = _SCRIPT.splitlines().index("{call}") + 1
+    assert last.startswith(f"hp_models.launch.JobFailed: {script}, line {line} starts the ranks from the script's top"), last
+    assert "put the call under 'if __name__ == \"__main__\":'" in last and "bootstrapping" not in done.stderr, last
+    assert _launcher_folders(tmpdir_env) == []

@@ -17,6 +17,7 @@ No framework is imported here.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import ctypes.util
 import multiprocessing as mp
@@ -30,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -73,7 +75,8 @@ def die_with_parent(launcher: int, *, period_s: float = 0.5) -> None:
 
 
 class JobFailed(RuntimeError):
-    """The job stopped: a rank died or raised.  Its message is what the command prints."""
+    """The job stopped (a rank died or raised) or could not start.  Its message is what the
+    command prints."""
 
 
 def _how_it_ended(code: int) -> str:
@@ -197,9 +200,53 @@ def add_fork_server_preload(modules: Sequence[str]) -> None:
     mp_forkserver.set_forkserver_preload(current + [m for m in modules if m not in current])
 
 
+def _guards_main(test: ast.expr) -> bool:
+    """Whether an ``if`` test compares ``__name__`` with ``"__main__"`` (either way round, or as
+    part of a larger condition)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            if any(isinstance(p, ast.Name) and p.id == "__name__" for p in parts) and any(
+                    isinstance(p, ast.Constant) and p.value == "__main__" for p in parts):
+                return True
+    return False
+
+
+def check_main_guard() -> None:
+    """``JobFailed`` when the script this process runs starts ranks from its top level outside an
+    ``if __name__ == "__main__":`` block.  Every rank, spawned or forked from the fork server,
+    imports that script again before it runs, so each would start the job anew: ``multiprocessing``
+    stops them with its "bootstrapping phase" error, and the launcher saw only ranks exiting with
+    code 1.  A call from a function the guarded block calls, or with no script (``python -c``, a
+    notebook, a test runner), passes."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str):
+        return
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    line = frame.f_lineno
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return  # the source cannot be read: nothing to say
+    for node in tree.body:
+        if isinstance(node, ast.If) and _guards_main(node.test) and node.lineno <= line <= (node.end_lineno or line):
+            return
+    raise JobFailed(
+        f"{path}, line {line} starts the ranks from the script's top level: each rank imports the script "
+        f"again and would start the job anew; put the call under 'if __name__ == \"__main__\":'"
+    )
+
+
 def _rank_context(preload: Sequence[str] | None) -> Any:
     """Forked from the fork server where the caller allows it (``preload`` given) and a rank can
-    die with the server (Linux); spawned otherwise."""
+    die with the server (Linux); spawned otherwise.  First, the script must guard its call."""
+    check_main_guard()
     if preload is None or not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     add_fork_server_preload(preload)
