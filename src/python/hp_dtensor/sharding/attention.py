@@ -8,7 +8,7 @@ parallelism is a different style).
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules
 
 
 def _common(q_pl: tuple[Placement, ...]) -> tuple[Placement, ...]:
@@ -33,3 +33,8 @@ def sdpa_rule(call: OpCall, n_qkv_like: int, n_outputs: int, lse_outputs: tuple[
         )
     outs = tuple(req for _ in range(n_outputs))
     return Decision(tuple(ins), outs)
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("_scaled_dot_product_flash_attention_for_cpu", lambda c: sdpa_rule(c, 3, 2))
+ATEN_OPS.add("_scaled_dot_product_flash_attention_for_cpu_backward", lambda c: sdpa_rule(c, 6, 3))

@@ -14,7 +14,7 @@ MindSpore.  (``torch.distributed.tensor`` casts each term; that loses the precis
 from __future__ import annotations
 
 from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, keeps_uneven
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo, keeps_uneven
 from hp_dtensor.sharding.pointwise import pointwise_rule
 
 # (exponent bits, mantissa bits) of the floating formats, by their neutral names; a complex
@@ -75,3 +75,10 @@ def cast_input_rule(call: OpCall) -> Decision:
 
 keeps_uneven(dtype_kwarg_cast_rule)
 keeps_uneven(cast_input_rule)
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("_to_copy", dtype_kwarg_cast_rule)
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("ToDtype Cast", cast_input_rule)

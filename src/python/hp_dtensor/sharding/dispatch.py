@@ -30,7 +30,7 @@ from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.layout.dtensor_spec import DTensorSpec
 from hp_dtensor.layout.shard_geometry import even_placements, global_shape
 from hp_dtensor.placement_types import Placement, Replicate
-from hp_dtensor.sharding.op_call import Decision, OpCall, OpTable, Rule, TensorInfo, map_leaves
+from hp_dtensor.sharding.op_call import Decision, OpCall, Rule, TensorInfo, map_leaves
 from hp_dtensor.sharding.uneven import uneven_pointwise_rule
 
 # Separates positional from keyword arguments in a key: ``f(x, "dim")`` is not ``f(x, dim=...)``.
@@ -413,10 +413,9 @@ def check_mesh(op: Any, mesh: DeviceMesh | None, other: DeviceMesh) -> DeviceMes
 
 
 class DispatchCore:
-    """One backend's rules, decision cache and warned-once set."""
+    """One backend's decision cache and warned-once set."""
 
-    def __init__(self, table: OpTable, fallback_label: Callable[[str], str]) -> None:
-        self.table = table
+    def __init__(self, fallback_label: Callable[[str], str]) -> None:
         self.cache: dict[Any, CachedCall] = {}
         self.warned: set[str] = set()
         self._fallback_label = fallback_label

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from hp_dtensor.layout.shard_geometry import local_offset
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, replicated_rule
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo, replicated_rule
 
 
 def embedding_rule(call: OpCall) -> Decision:
@@ -101,3 +101,11 @@ def gather_rows_rule(call: OpCall) -> Decision:
     if axis != 0 or table.ndim != 2:
         return replicated_rule(call)
     return embedding_rule(with_inputs(call, (table, ids)))
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("embedding", embedding_rule)
+ATEN_OPS.add("embedding_dense_backward", lambda c: embedding_backward_rule(c, ()))
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("Gather", gather_rows_rule)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hp_dtensor.layout.shard_geometry import local_shape
 from hp_dtensor.placement_types import Replicate, partials_replicated
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo, keeps_uneven
 from hp_dtensor.sharding.strides import contiguous_strides
 
 
@@ -28,3 +28,9 @@ def new_factory_rule(call: OpCall, size_pos: int = 1, strides_pos: int | None = 
     if strides_pos is not None:
         args[strides_pos] = list(contiguous_strides(loc))
     return Decision((t.placements,), (out,), args=tuple(args))
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("ones_like zeros_like empty_like full_like", keeps_uneven(like_factory_rule))
+ATEN_OPS.add("new_empty new_zeros new_ones new_full", new_factory_rule)
+ATEN_OPS.add("new_empty_strided", lambda c: new_factory_rule(c, strides_pos=2))

@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hp_dtensor.placement_types import Partial
+from hp_dtensor.sharding.op_call import Rule
+from hp_dtensor.sharding.pointwise import pointwise_family
+from hp_dtensor.sharding.reductions import foreach_norm_rule
 
 
 def list_length(args: tuple[Any, ...]) -> int:
@@ -55,3 +58,17 @@ def one_entry_calls(args: tuple[Any, ...], n: int) -> Iterator[tuple[Any, ...]]:
     """The arguments of the element-by-element calls: entry ``i`` of every list, as a list of one."""
     for i in range(n):
         yield tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
+
+
+# The rule of each foreach op by its base name (``_foreach_add_`` is ``add``), ``*`` for the rest:
+# the one-entry calls a foreach op falls back to are decided by the base op's rule.
+FOREACH_RULES: dict[str, Rule] = {
+    "norm": foreach_norm_rule,
+    **{
+        base: pointwise_family(linearity, scalar_once=False)
+        for base, linearity in {
+            "add": "add", "sub": "add", "mul": "mul", "div": "div", "copy": "add", "zero": "mul", "neg": "mul",
+            "*": None,
+        }.items()
+    },
+}

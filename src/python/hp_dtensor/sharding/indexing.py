@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_args import int_arg
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo
 
 _R = Replicate()
 
@@ -178,3 +179,33 @@ def scatter_rule(call: OpCall, *, accumulate: bool, src_is_tensor: bool, index_1
     if src is not None:
         ins.append(tuple(req_s))
     return Decision(tuple(ins), (tuple(out),))
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add(
+    "cumsum logcumsumexp",
+    lambda c: along_dims_rule(c, [int_arg(c, 1, "dim", 0)], linear=c.name.startswith("aten.cumsum")),
+)
+ATEN_OPS.add("cumprod cummax cummin", lambda c: along_dims_rule(
+    c, [int_arg(c, 1, "dim", 0)], linear=False, n_outputs=1 if c.name.startswith("aten.cumprod") else 2
+))
+ATEN_OPS.add("flip", lambda c: along_dims_rule(c, list(c.args[1]), linear=True))
+ATEN_OPS.add("roll", lambda c: along_dims_rule(
+    c, list(c.args[2]) if len(c.args) > 2 and len(c.args[2]) else list(range(c.args[0].ndim)), linear=True
+))
+ATEN_OPS.add("sort", lambda c: along_dims_rule(c, [int_arg(c, 1, "dim", -1)], linear=False, n_outputs=2))
+ATEN_OPS.add("sort.stable", lambda c: along_dims_rule(c, [int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+ATEN_OPS.add("topk", lambda c: along_dims_rule(c, [int_arg(c, 2, "dim", -1)], linear=False, n_outputs=2))
+ATEN_OPS.add("slice_backward", slice_backward_rule)
+ATEN_OPS.add("index_select", index_select_rule)
+ATEN_OPS.add("gather", gather_rule)
+ATEN_OPS.add(
+    "scatter_add scatter_add_", lambda c: scatter_rule(c, accumulate=True, src_is_tensor=True, index_1d=False)
+)
+ATEN_OPS.add("index_add index_add_", lambda c: scatter_rule(c, accumulate=True, src_is_tensor=True, index_1d=True))
+ATEN_OPS.add(
+    "scatter.src scatter_.src", lambda c: scatter_rule(c, accumulate=False, src_is_tensor=True, index_1d=False)
+)
+ATEN_OPS.add(
+    "scatter.value scatter_.value", lambda c: scatter_rule(c, accumulate=False, src_is_tensor=False, index_1d=False)
+)

@@ -8,7 +8,8 @@ parallel over a vocab-sharded class dim is the job of ``hp_tp.loss_parallel``.
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_args import int_arg
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo
 
 
 def nll_loss_rule(call: OpCall, reduction: int, n_outputs: int = 2) -> Decision:
@@ -64,3 +65,10 @@ def mse_loss_backward_rule(call: OpCall, reduction: int) -> Decision:
         return Decision((req, req, req), (req,))
     rep = tuple(Replicate() for _ in g.placements)
     return Decision((rep, req, req), (req,), args=(g, x, y, reduction, x.numel), kwargs={}, kernel="mse_loss_backward")
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("nll_loss_forward nll_loss2d_forward", lambda c: nll_loss_rule(c, int_arg(c, 3, "reduction", 1)))
+ATEN_OPS.add("nll_loss_backward", lambda c: nll_loss_backward_rule(c, int_arg(c, 4, "reduction", 1)))
+ATEN_OPS.add("mse_loss", lambda c: mse_loss_rule(c, int_arg(c, 2, "reduction", 1)))
+ATEN_OPS.add("mse_loss_backward", lambda c: mse_loss_backward_rule(c, int_arg(c, 3, "reduction", 1)))

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.sharding.op_args import with_inputs
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo, cheapest, per_mesh_dim, replicated_rule
+from hp_dtensor.sharding.op_call import (
+    Decision,
+    OpCall,
+    OpRules,
+    TensorInfo,
+    cheapest,
+    per_mesh_dim,
+    replicated_rule,
+)
 from hp_dtensor.sharding.pointwise import _follow
 
 
@@ -115,3 +123,17 @@ def dense_rule(call: OpCall) -> Decision:
     dec = einsum_rule(with_inputs(call, (bias, x, w)), eq, has_bias=True)
     b_req, x_req, w_req = dec.inputs
     return Decision((x_req, w_req, b_req), dec.outputs)
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("mm", lambda c: einsum_rule(c, "mk,kn->mn"))
+ATEN_OPS.add("bmm", lambda c: einsum_rule(c, "bmk,bkn->bmn"))
+ATEN_OPS.add("addmm", lambda c: einsum_rule(c, "mk,kn->mn", has_bias=True))
+ATEN_OPS.add("baddbmm", lambda c: einsum_rule(c, "bmk,bkn->bmn", has_bias=True))
+ATEN_OPS.add("mv", lambda c: einsum_rule(c, "mk,k->m"))
+ATEN_OPS.add("dot", lambda c: einsum_rule(c, "k,k->"))
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("MatMul BatchMatMul", transposed_matmul_rule)
+MINDSPORE_OPS.add("MatMulExt Matmul", matmul_rule)
+MINDSPORE_OPS.add("Dense", dense_rule)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hp_dtensor.sharding.op_args import prim_inputs, with_inputs
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo
 
 
 def _input_req(t: TensorInfo, first_norm_dim: int) -> tuple[Placement, ...]:
@@ -97,3 +97,14 @@ def softmax_axis_rule(call: OpCall) -> Decision:
             raise NotImplementedError(f"{call.name} over several axes {axis} has no sharding rule")
         axis = axis[0]
     return softmax_rule(call, int(axis))
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("native_layer_norm", lambda c: layer_norm_rule(c, len(c.args[1])))
+ATEN_OPS.add("native_layer_norm_backward", lambda c: layer_norm_backward_rule(c, len(c.args[2]), list(c.args[7])))
+ATEN_OPS.add("_softmax _log_softmax", lambda c: softmax_rule(c, c.args[1]))
+ATEN_OPS.add("_softmax_backward_data _log_softmax_backward_data", lambda c: softmax_rule(c, c.args[2]))
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("LayerNorm", layer_norm_axis_rule)
+MINDSPORE_OPS.add("Softmax LogSoftmax SoftmaxExt LogSoftmaxExt", softmax_axis_rule)

@@ -172,25 +172,50 @@ def replicated_rule(call: OpCall) -> Decision:
     return Decision(tuple(rep for _ in call.tensors()), (rep,))
 
 
-class OpTable:
-    """One platform's sharding rules and local kernels, keyed by how that platform names an op
-    (an aten overload on torch, a primitive name on MindSpore)."""
+class OpRules(dict[str, Rule]):
+    """Which rule each op of one framework uses, keyed by the op's name as that framework's
+    dispatch reports it (``aten.mm.default`` on torch, ``MatMul`` on MindSpore).
 
-    def __init__(self) -> None:
-        self.rules: dict[Any, Rule] = {}
-        self.kernels: dict[str, Callable[..., Any]] = {}
+    Each rule module lists the ops it covers in one of these; a name listed twice is an error at
+    import, not a silent override.  ``namespace`` and ``default_overload`` spell aten's names
+    briefly: ``add.Tensor`` is ``aten.add.Tensor``, ``mm`` is ``aten.mm.default``."""
 
-    def register(self, *ops: Any) -> Callable[[Rule], Rule]:
-        def deco(rule: Rule) -> Rule:
-            for op in ops:
-                self.rules[op] = rule
-            return rule
+    def __init__(self, namespace: str = "", default_overload: str = "") -> None:
+        super().__init__()
+        self._prefix = f"{namespace}." if namespace else ""
+        self._default = default_overload
 
-        return deco
+    def full_name(self, name: str) -> str:
+        if self._default and "." not in name:
+            name = f"{name}.{self._default}"
+        return self._prefix + name
 
-    def kernel(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def add(self, names: str, rule: Rule) -> Rule:
+        """Use ``rule`` for every whitespace-separated op in ``names``; returns ``rule``."""
+        for name in names.split():
+            self._claim(self.full_name(name), rule)
+        return rule
+
+    def _claim(self, name: str, rule: Rule) -> None:
+        if name in self:
+            raise ValueError(f"op {name} is given two sharding rules; list it once")
+        self[name] = rule
+
+    def merge(self, *tables: OpRules) -> OpRules:
+        """This table with every entry of ``tables`` added (the same duplicate check)."""
+        for table in tables:
+            for name, rule in table.items():
+                self._claim(name, rule)
+        return self
+
+
+class Kernels(dict[str, Callable[..., Any]]):
+    """One platform's local kernels, by the name a ``Decision.kernel`` gives: the framework code
+    some rules need beyond running the op on the shards."""
+
+    def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-            self.kernels[name] = fn
+            self[name] = fn
             return fn
 
         return deco

@@ -18,6 +18,7 @@ from hp_dtensor.sharding.op_args import inplace_by_name, prim_inputs, with_input
 from hp_dtensor.sharding.op_call import (
     Decision,
     OpCall,
+    OpRules,
     Rule,
     TensorInfo,
     cheapest,
@@ -237,3 +238,45 @@ def func_dropout_rule(call: OpCall) -> Decision:
 
 keeps_uneven(dropout_rule, 2, "dropout")
 keeps_uneven(func_dropout_rule, 1, "func_dropout")
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("masked_fill.Scalar masked_fill_.Scalar masked_fill.Tensor masked_fill_.Tensor", masked_fill_rule)
+ATEN_OPS.add("""
+    add.Tensor sub.Tensor add_.Tensor sub_.Tensor copy_ add.Scalar add_.Scalar sub.Scalar sub_.Scalar
+    rsub.Scalar rsub.Tensor
+""", pointwise_family("add"))
+ATEN_OPS.add("""
+    mul.Tensor mul_.Tensor mul.Scalar mul_.Scalar div.Scalar div_.Scalar neg neg_ clone detach alias
+    zero_ view_as_real view_as_complex
+""", pointwise_family("mul"))
+ATEN_OPS.add("div.Tensor div_.Tensor", pointwise_family("div"))
+ATEN_OPS.add("""
+    exp exp_ log sqrt sqrt_ rsqrt pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar pow_.Scalar silu silu_
+    silu_backward gelu gelu_backward sigmoid sigmoid_ sigmoid_backward tanh tanh_backward relu relu_
+    threshold_backward where.self eq.Tensor eq.Scalar ne.Tensor ne.Scalar lt.Tensor lt.Scalar gt.Tensor
+    gt.Scalar le.Scalar ge.Scalar logical_not logical_and abs clamp clamp_min maximum minimum
+    lerp.Scalar lerp_.Scalar lerp_.Tensor addcmul addcmul_ addcdiv addcdiv_ reciprocal sign sin cos erf
+    softplus softplus_backward log1p expm1 fill_.Scalar native_dropout_backward isnan isinf
+    bitwise_and.Tensor bitwise_or.Tensor square exp2 elu leaky_relu hardtanh clamp_max logical_or
+    logical_or_ logical_and_ logical_xor bitwise_not bitwise_xor.Tensor ge.Tensor le.Tensor floor ceil
+    round trunc remainder.Tensor remainder.Scalar fmod.Tensor fmod.Scalar div.Tensor_mode floor_divide
+    nan_to_num clamp.Tensor where.ScalarOther where.ScalarSelf isfinite log2 log10 atan tan sinh cosh
+    asin acos atan2 hardsigmoid mish logit xlogy.Tensor signbit frac sgn abs_ clamp_ clamp_min_ exp2_
+    tanh_
+""", pointwise_family(None))
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("Add AddExt Sub SubExt", add_sub_rule)
+MINDSPORE_OPS.add("Div RealDiv", div_rule)
+MINDSPORE_OPS.add("AddN", inputs_pointwise_family("add"))
+MINDSPORE_OPS.add("Mul Muls Neg Contiguous Clone Identity Divs", inputs_pointwise_family("mul"))
+MINDSPORE_OPS.add("""
+    AddScalar SubScalar ReLU SiLU Sigmoid Tanh Exp Log Sqrt Rsqrt Square Pow PowTensorScalar GeLU Erf
+    Abs Maximum Minimum Equal NotEqual Less LessEqual Greater GreaterEqual Select Softplus LogicalNot
+    Cos Sin Reciprocal ClampScalar OnesLike ZerosLike LeakyReLUExt FastGeLU
+""", inputs_pointwise_family(None))
+MINDSPORE_OPS.add("BiasAdd", bias_add_rule)
+# The dropout masks come from the job-wide stream (the platform's dropout kernels).
+MINDSPORE_OPS.add("Dropout", dropout_rule)
+MINDSPORE_OPS.add("FuncDropoutExt", func_dropout_rule)

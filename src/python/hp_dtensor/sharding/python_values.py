@@ -9,7 +9,7 @@ reduced, replicated tensor.
 from __future__ import annotations
 
 from hp_dtensor.placement_types import Partial, Replicate
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo
 
 
 def same_layout_rule(call: OpCall) -> Decision:
@@ -41,3 +41,12 @@ def python_value_rule(call: OpCall) -> Decision:
 def metadata_rule(call: OpCall) -> Decision:
     """The type of a tensor (argument checks in MindSpore's nn cells): no data moves, nothing to wrap."""
     return Decision(tuple(None for _ in call.tensors()), ())
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("is_same_size", same_layout_rule)
+ATEN_OPS.add("equal allclose", global_compare_rule)
+ATEN_OPS.add("_local_scalar_dense is_nonzero", python_value_rule)
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("typeof", metadata_rule)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hp_dtensor.sharding.op_args import dims_of, prim_inputs, reduce_args
-from hp_dtensor.sharding.op_call import Decision, OpCall, Rule, TensorInfo, sees_uneven
+from hp_dtensor.sharding.op_args import dims_arg, dims_of, float_arg, keepdim_arg, prim_inputs, reduce_args
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, Rule, TensorInfo, sees_uneven
 
 # any/all give booleans: the any of every rank's any is their max, the all their min.
 _PARTIAL_OF = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min", "any": "max", "all": "min"}
@@ -165,3 +165,55 @@ def foreach_norm_rule(call: OpCall) -> Decision:
     infos = call.tensors()
     return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
                     (tuple(Replicate() for _ in infos[0].placements),))
+
+# ---------------------------------------------------------------- the ops these rules cover
+def _over_dims(kind: str) -> Rule:
+    """A ``kind`` reduction ``(x, dims, keepdim)``, kept shard by shard on an unevenly sharded
+    input whose sharded dims it does not reduce."""
+    return sees_uneven(
+        lambda c: reduction_rule(c, kind, dims_arg(c, 1), keepdim_arg(c, 2)),
+        lambda c: uneven_reduction_rule(c, dims_arg(c, 1), keepdim_arg(c, 2)),
+    )
+
+
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("sum", lambda c: reduction_rule(c, "sum", None, False))
+ATEN_OPS.add("sum.dim_IntList", _over_dims("sum"))
+ATEN_OPS.add("mean", lambda c: reduction_rule(c, "mean", None, False))
+ATEN_OPS.add("mean.dim", _over_dims("mean"))
+ATEN_OPS.add("amax", _over_dims("amax"))
+ATEN_OPS.add("amin", _over_dims("amin"))
+ATEN_OPS.add("max", lambda c: reduction_rule(c, "amax", None, False))
+ATEN_OPS.add("min", lambda c: reduction_rule(c, "amin", None, False))
+ATEN_OPS.add("max.dim", lambda c: reduction_rule(c, "max_with_indices", dims_arg(c, 1), keepdim_arg(c, 2), 2))
+ATEN_OPS.add("min.dim", lambda c: reduction_rule(c, "min_with_indices", dims_arg(c, 1), keepdim_arg(c, 2), 2))
+ATEN_OPS.add("any", lambda c: reduction_rule(c, "any", None, False))
+ATEN_OPS.add("any.dim any.dims", lambda c: reduction_rule(c, "any", dims_arg(c, 1), keepdim_arg(c, 2)))
+ATEN_OPS.add("all", lambda c: reduction_rule(c, "all", None, False))
+ATEN_OPS.add("all.dim all.dims", lambda c: reduction_rule(c, "all", dims_arg(c, 1), keepdim_arg(c, 2)))
+ATEN_OPS.add("argmax", lambda c: reduction_rule(c, "argmax", dims_arg(c, 1), keepdim_arg(c, 2)))
+# var/std take keepdim by keyword only.
+ATEN_OPS.add(
+    "var.correction std.correction",
+    lambda c: gathered_reduction_rule(c, dims_arg(c, 1), bool(c.kwargs.get("keepdim", False))),
+)
+ATEN_OPS.add("logsumexp", lambda c: gathered_reduction_rule(c, dims_arg(c, 1), keepdim_arg(c, 2)))
+ATEN_OPS.add(
+    "var_mean.correction std_mean.correction",
+    lambda c: gathered_reduction_rule(c, dims_arg(c, 1), bool(c.kwargs.get("keepdim", False)), 2),
+)
+ATEN_OPS.add(
+    "linalg_vector_norm",
+    lambda c: vector_norm_rule(c, float_arg(c, 1, "ord", 2), dims_arg(c, 2), keepdim_arg(c, 3)),
+)
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("SumExt ReduceSum", reduction_family("sum"))
+# (``Tensor.mean(axis, keep_dims=...)`` with MindSpore's own keyword reaches DeprecatedMean,
+# whose arguments are the functional form's: input, axis, keep_dims)
+MINDSPORE_OPS.add("MeanExt ReduceMean DeprecatedMean", reduction_family("mean"))
+MINDSPORE_OPS.add("ReduceMax Max", reduction_family("amax"))
+MINDSPORE_OPS.add("ReduceMin Min", reduction_family("amin"))
+MINDSPORE_OPS.add("ReduceAny Any AnyExt", reduction_family("any"))
+MINDSPORE_OPS.add("ReduceAll All AllExt", reduction_family("all"))
+MINDSPORE_OPS.add("LpNorm", lp_norm_rule)

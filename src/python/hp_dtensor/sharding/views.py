@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from hp_dtensor.layout.shard_geometry import local_shape
 from hp_dtensor.placement_types import Placement, Replicate, Shard
-from hp_dtensor.sharding.op_call import Decision, OpCall, TensorInfo
+from hp_dtensor.sharding.op_call import Decision, OpCall, OpRules, TensorInfo
 from hp_dtensor.sharding.pointwise import pointwise_rule
 
 
@@ -278,3 +278,37 @@ def concat_axis_rule(call: OpCall) -> Decision:
     """``Concat(tensors, axis)``: ``cat_rule`` with the axis positional or by keyword ``axis``."""
     axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", 0)
     return cat_rule(OpCall(call.name, call.mesh_shape, (list(call.args[0]), axis)))
+
+# ---------------------------------------------------------------- the ops these rules cover
+ATEN_OPS = OpRules("aten", "default")
+ATEN_OPS.add("view _unsafe_view reshape", local_view_rule)
+ATEN_OPS.add("t transpose.int", transpose_rule)
+ATEN_OPS.add("permute", lambda c: permute_rule(c, c.args[1]))
+ATEN_OPS.add("unsqueeze", unsqueeze_rule)
+ATEN_OPS.add("squeeze squeeze.dim squeeze.dims", squeeze_dims_rule)
+ATEN_OPS.add("select_backward", select_backward_rule)
+ATEN_OPS.add("expand", expand_rule)
+ATEN_OPS.add("select.int", select_rule)
+ATEN_OPS.add("cat", cat_rule)
+ATEN_OPS.add(
+    "split.Tensor split_with_sizes", lambda c: split_rule(c, c.args[2] if len(c.args) > 2 else c.kwargs.get("dim", 0))
+)
+ATEN_OPS.add("unbind.int", lambda c: split_rule(c, c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0), True))
+ATEN_OPS.add("slice.Tensor", lambda c: slice_rule(
+    c,
+    c.args[1] if len(c.args) > 1 else 0,
+    c.args[2] if len(c.args) > 2 else None,
+    c.args[3] if len(c.args) > 3 else None,
+    c.args[4] if len(c.args) > 4 else 1,
+))
+ATEN_OPS.add(
+    "stack", lambda c: stack_rule(c, list(c.args[0]), c.args[1] if len(c.args) > 1 else c.kwargs.get("dim", 0))
+)
+
+MINDSPORE_OPS = OpRules()
+MINDSPORE_OPS.add("Reshape View", reshape_sizes_rule)
+MINDSPORE_OPS.add("TransposeExtView TransposeExt Swapaxes", transpose_rule)
+MINDSPORE_OPS.add("Transpose TransposeView", lambda c: permute_rule(c, list(c.args[1])))
+MINDSPORE_OPS.add("ExpandDims Unsqueeze", unsqueeze_rule)
+MINDSPORE_OPS.add("Stack StackExt", stack_axis_rule)
+MINDSPORE_OPS.add("Concat", concat_axis_rule)

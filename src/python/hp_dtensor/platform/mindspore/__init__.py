@@ -3,10 +3,11 @@
 from typing import TYPE_CHECKING
 
 from hp_dtensor.platform.mindspore import dtensor as _dtensor
-from hp_dtensor.platform.mindspore import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.mindspore import kernels as _kernels  # noqa: F401  (the local kernels rules name)
 from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
 from hp_dtensor.platform.mindspore.collectives import COLLECTIVES
 from hp_dtensor.platform.mindspore.dispatch import dispatch as _dispatch
+from hp_dtensor.platform.mindspore.dispatch import install_interceptors
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.mindspore.modules import (
     FORWARD,
@@ -54,6 +55,7 @@ from hp_dtensor.platform.mindspore.process_group import (
 from hp_dtensor.platform.mindspore.rng import RNG
 
 _dtensor.install_dispatch(_dispatch)
+install_interceptors()
 
 NAME = "mindspore"
 

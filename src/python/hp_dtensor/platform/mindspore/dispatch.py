@@ -33,29 +33,14 @@ from hp_dtensor.sharding.dispatch import (
     wrap_leaves,
 )
 from hp_dtensor.sharding.local_grads import GradFacts, GradLayout, grad_facts
-from hp_dtensor.sharding.local_updates import is_one_element, join_local_updates, local_update_rule
-from hp_dtensor.sharding.op_call import OpCall, OpTable, TensorInfo
+from hp_dtensor.sharding.local_updates import LOCAL_UPDATE_OPS, is_one_element, join_local_updates
+from hp_dtensor.sharding.op_call import Kernels, OpCall, TensorInfo
+from hp_dtensor.sharding.op_tables import MINDSPORE_RULES
 
-_TABLE = OpTable()
-RULES = _TABLE.rules
-KERNELS = _TABLE.kernels
-_CORE = DispatchCore(_TABLE, lambda name: f"MindSpore op {name}")
+KERNELS = Kernels()  # the local kernels some rules name (``kernels.py``)
+kernel = KERNELS.register
+_CORE = DispatchCore(lambda name: f"MindSpore op {name}")
 _warned = _CORE.warned
-
-# In-place updates and fused optimizer kernels (mint.optim): a plain tensor of the DTensor's local
-# shape among their arguments is that DTensor's local gradient or state -- what value_and_grad
-# returns for a DTensor parameter -- so it joins with the first DTensor's spec and the op runs
-# shard by shard.  Anywhere else a plain tensor next to a DTensor is an error.
-LOCAL_UPDATE_OPS = frozenset({
-    "AdamW", "Adam", "ApplyAdamW", "SGD", "ApplyMomentum", "Assign", "AssignAdd", "AssignSub",
-    "InplaceAddExt", "InplaceAddsExt", "InplaceSubExt", "InplaceSubScalar", "InplaceMul", "InplaceMuls",
-    "InplaceDiv", "InplaceDivs", "InplaceCopy", "InplaceAddcmul", "InplaceAddcdiv", "InplaceLerp",
-    "InplaceSqrt", "InplaceZero", "InplaceFillScalar",
-})
-
-
-register = _TABLE.register
-kernel = _TABLE.kernel
 
 # Random ops run whole through a handler ``(func, args, kwargs) -> result`` (see ``random_ops.py``):
 # their values come from the job-wide stream, not from a local kernel, so no rule applies.
@@ -110,13 +95,6 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return _run(func, flat, shape, kw_items, mesh, entry)
 
 
-# The in-place updates that commute with a Partial reduction when applied to each rank's term:
-# scaling by a number, zeroing, copying a value of the same layout.  Any other (adding a number,
-# filling, sqrt, ...) would act once per rank.
-_PARTIAL_SAFE_UPDATES = frozenset({"InplaceMuls", "InplaceDivs", "InplaceZero", "InplaceCopy", "Assign"})
-register(*LOCAL_UPDATE_OPS)(local_update_rule(_PARTIAL_SAFE_UPDATES))
-
-
 def _info(leaf: Any) -> Any:
     return TensorInfo(leaf._spec.shape, leaf._spec.placements, str(leaf.dtype)) if isinstance(leaf, DTensor) else leaf
 
@@ -126,7 +104,7 @@ def _decide(name: str, flat: list[Any], shape: tuple[Any, ...], kw_items: list[t
     kwargs = {k: _info(v) for k, v in kw_items}
     # In-place updates keep the layout they find, uneven or not.
     decision, is_fallback = _CORE.decide(
-        name, RULES.get(name), mesh, args, kwargs, keep_layout=name in LOCAL_UPDATE_OPS,
+        name, MINDSPORE_RULES.get(name), mesh, args, kwargs, keep_layout=name in LOCAL_UPDATE_OPS,
         coordinate=mesh.get_coordinate(), stacklevel=5,
     )
     call = OpCall(name, mesh.shape, args, kwargs)

@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from hp_dtensor.platform.torch import dtensor as _dtensor
-from hp_dtensor.platform.torch import ops as _ops  # noqa: F401  (registers the sharding rules)
+from hp_dtensor.platform.torch import kernels as _kernels  # noqa: F401  (the local kernels rules name)
 from hp_dtensor.platform.torch.collectives import COLLECTIVES, all_gather_object, broadcast_object
 from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor

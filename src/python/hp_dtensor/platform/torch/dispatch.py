@@ -33,15 +33,15 @@ from hp_dtensor.sharding.interceptors import INTERCEPTORS, intercepting
 from hp_dtensor.sharding.interceptors import OpInterceptor as OpInterceptor  # re-exported
 from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor  # re-exported
 from hp_dtensor.sharding.interceptors import push_interceptor as push_interceptor  # re-exported
-from hp_dtensor.sharding.op_call import OpTable, Rule, TensorInfo
+from hp_dtensor.sharding.op_call import Kernels, Rule, TensorInfo
+from hp_dtensor.sharding.op_tables import ATEN_RULES, FOREACH_RULES
 from hp_dtensor.sharding.strides import global_strides
 
 aten = torch.ops.aten
 
-_TABLE = OpTable()
-RULES = _TABLE.rules
-KERNELS = _TABLE.kernels
-_CORE = DispatchCore(_TABLE, str)
+KERNELS = Kernels()  # the local kernels some rules name (``kernels.py``)
+kernel = KERNELS.register
+_CORE = DispatchCore(str)
 _warned = _CORE.warned  # ops that fell back to replication (tests read it)
 _cache_get = _CORE.cache.get
 
@@ -51,17 +51,10 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KEY = object()
 
 
-register = _TABLE.register
-kernel = _TABLE.kernel
-
-
-FOREACH_RULES: dict[str, Rule] = {}  # by base op name ("add", "mul", ...), "*" for the rest
-
-
 def _find_rule(func: Any) -> Rule | None:
-    rule = RULES.get(func)
-    if rule is None:
-        rule = RULES.get(func.overloadpacket)
+    """The rule ``hp_dtensor.sharding`` lists for the op's name (``aten.mm.default``); a foreach
+    op takes its base op's (``FOREACH_RULES``)."""
+    rule = ATEN_RULES.get(str(func))
     if rule is None and func._schema.name.startswith("aten::_foreach_"):
         base = func._schema.name[len("aten::_foreach_") :].rstrip("_")
         rule = FOREACH_RULES.get(base, FOREACH_RULES.get("*"))

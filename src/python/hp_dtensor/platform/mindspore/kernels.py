@@ -1,9 +1,9 @@
-"""Which sharding rule each MindSpore op uses (importing this module registers them).
+"""The local kernels some MindSpore sharding rules name (``Decision.kernel``).
 
-The rules live in ``hp_dtensor.sharding`` and are shared with torch, together with the readers
-of MindSpore's calling conventions (a primitive call arrives as ``(prim, name, [inputs...])``);
-this table is the MindSpore half: op names as ``__fallback__`` reports them, and the local
-kernels some rules need.
+Which rule each MindSpore op uses is data in ``hp_dtensor.sharding`` (no MindSpore there); where a
+rule needs more than the op run on the shards -- a dropout mask from the job-wide stream, a
+global max/min with its gradient, a vocab-masked lookup -- it names a kernel, and this module is
+its MindSpore code.
 """
 
 from __future__ import annotations
@@ -18,52 +18,11 @@ from hp_dtensor.layout.shard_geometry import global_shape
 from hp_dtensor.placement_types import Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore import rng
-from hp_dtensor.platform.mindspore.dispatch import install_interceptors, kernel, register
+from hp_dtensor.platform.mindspore.dispatch import kernel
 from hp_dtensor.redistribute.executor import reduce_over
-from hp_dtensor.sharding.casts import cast_input_rule
-from hp_dtensor.sharding.embedding import gather_rows_rule, vocab_start
-from hp_dtensor.sharding.matrix import dense_rule, matmul_rule, transposed_matmul_rule
-from hp_dtensor.sharding.norms import layer_norm_axis_rule, softmax_axis_rule
+from hp_dtensor.sharding.embedding import vocab_start
 from hp_dtensor.sharding.op_args import prim_inputs, reduce_args
 from hp_dtensor.sharding.op_call import Decision, OpCall
-from hp_dtensor.sharding.pointwise import (
-    add_sub_rule,
-    bias_add_rule,
-    div_rule,
-    dropout_rule,
-    func_dropout_rule,
-    inputs_pointwise_family,
-)
-from hp_dtensor.sharding.python_values import metadata_rule
-from hp_dtensor.sharding.reductions import lp_norm_rule, reduction_family
-from hp_dtensor.sharding.views import (
-    concat_axis_rule,
-    permute_rule,
-    reshape_sizes_rule,
-    stack_axis_rule,
-    transpose_rule,
-    unsqueeze_rule,
-)
-
-# ---------------------------------------------------------------- pointwise
-register("Add", "AddExt", "Sub", "SubExt")(add_sub_rule)
-register("Div", "RealDiv")(div_rule)
-register("ToDtype", "Cast")(cast_input_rule)
-register("AddN")(inputs_pointwise_family("add"))
-register("Mul", "Muls", "Neg", "Contiguous", "Clone", "Identity", "Divs")(inputs_pointwise_family("mul"))
-register(
-    "AddScalar", "SubScalar", "ReLU", "SiLU", "Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Rsqrt", "Square",
-    "Pow", "PowTensorScalar", "GeLU", "Erf", "Abs", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
-    "LessEqual", "Greater", "GreaterEqual", "Select", "Softplus", "LogicalNot", "Cos", "Sin", "Reciprocal",
-    "ClampScalar", "OnesLike", "ZerosLike", "LeakyReLUExt", "FastGeLU",
-)(inputs_pointwise_family(None))
-register("BiasAdd")(bias_add_rule)
-
-
-# ---------------------------------------------------------------- random
-# The dropout masks come from the job-wide stream (see ``rng.py``).
-register("Dropout")(dropout_rule)
-register("FuncDropoutExt")(func_dropout_rule)
 
 
 @kernel("dropout")
@@ -93,36 +52,10 @@ def _func_dropout_kernel(mesh: Any, decision: Decision, x: Any, p: Any = 0.5, tr
     return x * mask * (1.0 / keep) if keep > 0 else x * mask
 
 
-# ---------------------------------------------------------------- matrix products
-register("MatMul", "BatchMatMul")(transposed_matmul_rule)
-register("MatMulExt", "Matmul")(matmul_rule)
-register("Dense")(dense_rule)
-
-# ---------------------------------------------------------------- views
-register("Reshape", "View")(reshape_sizes_rule)
-register("TransposeExtView", "TransposeExt", "Swapaxes")(transpose_rule)
-register("Transpose", "TransposeView")(lambda c: permute_rule(c, list(c.args[1])))
-register("ExpandDims", "Unsqueeze")(unsqueeze_rule)
-register("Stack", "StackExt")(stack_axis_rule)
-register("Concat")(concat_axis_rule)
-
-
 @kernel("stack")
 def _stack_kernel(mesh: Any, decision: Decision, tensors: Any, axis: Any = 0, **kwargs: Any) -> Tensor:
     # The locals may be the DTensor objects themselves (fallback is off here): stack plain views.
     return ops.stack([C._plain(t) for t in tensors], int(kwargs.get("dim", kwargs.get("axis", axis))))
-
-
-# ---------------------------------------------------------------- reductions
-register("SumExt", "ReduceSum")(reduction_family("sum"))
-# (``Tensor.mean(axis, keep_dims=...)`` with MindSpore's own keyword reaches DeprecatedMean,
-# whose arguments are the functional form's: input, axis, keep_dims)
-register("MeanExt", "ReduceMean", "DeprecatedMean")(reduction_family("mean"))
-register("ReduceMax", "Max")(reduction_family("amax"))
-register("ReduceMin", "Min")(reduction_family("amin"))
-register("ReduceAny", "Any", "AnyExt")(reduction_family("any"))
-register("ReduceAll", "All", "AllExt")(reduction_family("all"))
-register("LpNorm")(lp_norm_rule)
 
 
 class _GlobalExtremum(ms._Function):  # type: ignore[misc]
@@ -170,11 +103,6 @@ def _extremum_kernel(op: str) -> Any:
 kernel("extremum_amax")(_extremum_kernel("max"))
 kernel("extremum_amin")(_extremum_kernel("min"))
 
-# ---------------------------------------------------------------- norms, softmax, embedding
-register("LayerNorm")(layer_norm_axis_rule)
-register("Softmax", "LogSoftmax", "SoftmaxExt", "LogSoftmaxExt")(softmax_axis_rule)
-register("Gather")(gather_rows_rule)
-
 
 @kernel("masked_embedding")
 def _masked_gather(mesh: Any, decision: Decision, *args: Any, vocab: int, **kwargs: Any) -> Tensor:
@@ -190,9 +118,3 @@ def _masked_gather(mesh: Any, decision: Decision, *args: Any, vocab: int, **kwar
     out = ops.gather(table, safe, 0)
     keep = mint.logical_not(outside).astype(out.dtype)
     return out * keep.reshape(tuple(Tensor.shape.fget(keep)) + (1,))
-
-
-# ---------------------------------------------------------------- metadata
-register("typeof")(metadata_rule)
-
-install_interceptors()
