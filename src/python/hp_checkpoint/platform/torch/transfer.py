@@ -1,7 +1,7 @@
 """Box transfer primitives of torch (``TransferPrimitives``): boxes move point to point.
 
-Sends and receives (issued by the collectives module) go over the default (world) process group
-with global ranks and are recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
+Sends and receives go over the default (world) process group with global ranks, blocking, and are
+recorded in ``CommDebugMode`` (each transfer once, as a ``send``).  The
 rank, world size, object gather, spec and shape are the neutral ``TransferBase``.  dtype names
 are the framework-neutral lowercase names (``float32``, ``bfloat16``...), the same MindSpore uses.
 """
@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hp_checkpoint.gather_to_rank import TransferBase
-from hp_dtensor.platform.torch import collectives as C
+from hp_dtensor.comm_debug import record
 from hp_dtensor.platform.torch.dtensor import DTensor
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -64,9 +65,13 @@ class _TorchTransfer(TransferBase):
     def move_box(piece: torch.Tensor | None, shape: Sequence[int], name: str, src: int, dst: int) -> torch.Tensor | None:
         """Point to point: ``src`` sends, ``dst`` receives into a new tensor."""
         if piece is not None:
-            C.send(piece, dst)
+            piece = piece.detach().contiguous()
+            record("send", piece.numel() * piece.element_size())
+            dist.send(piece, dst)
             return None
-        return C.recv(torch.empty(tuple(shape), dtype=to_dtype(name)), src)
+        out = torch.empty(tuple(shape), dtype=to_dtype(name))
+        dist.recv(out, src)
+        return out
 
 
 TRANSFER = _TorchTransfer()

@@ -154,41 +154,6 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return box[0]
 
 
-def send(t: torch.Tensor, dst: int) -> None:
-    """Send ``t`` to global rank ``dst`` over the world group (blocking)."""
-    t = t.detach().contiguous()
-    record("send", _nbytes(t))
-    dist.send(t, dst)
-
-
-def recv(out: torch.Tensor, src: int) -> torch.Tensor:
-    """Receive into ``out`` from global rank ``src`` over the world group (blocking; not counted:
-    the matching ``send`` is)."""
-    dist.recv(out, src)
-    return out
-
-
-def all_gather_flat_start(flat: torch.Tensor, group: Any, n: int, *, async_op: bool) -> tuple[Any, torch.Tensor]:
-    """Start (or run) the all_gather of every rank's 1-D ``flat`` into one ``n * len`` buffer:
-    ``(work or None, out)``.  FSDP's bucketed gathers overlap with compute, so they are issued
-    asynchronously, which the plan walker's synchronous steps are not; they still live here, so
-    every collective of the backend is issued and counted in this module."""
-    out = flat.new_empty((n * flat.numel(),))
-    record("all_gather", _nbytes(out), n)
-    work = dist.all_gather_single(out, flat, group=group, async_op=async_op)
-    return (work if async_op else None), out
-
-
-def reduce_scatter_flat_start(flat: torch.Tensor, group: Any, n: int) -> tuple[Any, torch.Tensor]:
-    """Start the sum reduce_scatter of 1-D ``flat`` (rank-major, ``n`` equal parts):
-    ``(work, out)``, ``out`` this rank's part once ``work`` is waited on (FSDP's gradient
-    buckets; asynchronous for the same reason as ``all_gather_flat_start``)."""
-    out = flat.new_empty((flat.numel() // n,))
-    record("reduce_scatter", _nbytes(flat), n)
-    work = dist.reduce_scatter_single(out, flat, group=group, async_op=True)
-    return work, out
-
-
 class _Collectives:
     """torch's ``Collectives`` (the backend contract's one signature per collective): gloo, nccl
     and hccl need no coordinate, so ``index`` is unused here."""

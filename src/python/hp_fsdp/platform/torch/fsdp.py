@@ -14,10 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from hp_dtensor.comm_debug import record
 from hp_dtensor.layout.dtensor_spec import DTensorSpec
 from hp_dtensor.platform.torch import collectives
 from hp_dtensor.platform.torch.dtensor import DTensor
@@ -211,20 +213,28 @@ class _TorchFSDP:
         return out
 
     # ----- collectives on flat buffers -----
+    # Issued here, not through the DTensor's collectives: the bucketed gathers overlap with
+    # compute, so they are asynchronous, which the plan walker's steps are not.  Counted for
+    # ``CommDebugMode`` like every other collective.
     @staticmethod
     def all_gather_start(flat: torch.Tensor, group: Any, n: int, *, async_op: bool) -> _Pending:
-        """Start (or run) the all_gather of every rank's ``flat`` into one ``n * len`` buffer."""
+        """Start (or run) the all_gather of every rank's 1-D ``flat`` into one ``n * len`` buffer."""
         if n == 1:
             return _Pending(None, flat)
-        return _Pending(*collectives.all_gather_flat_start(flat, group, n, async_op=async_op))
+        out = flat.new_empty((n * flat.numel(),))
+        record("all_gather", out.numel() * out.element_size(), n)
+        work = dist.all_gather_single(out, flat, group=group, async_op=async_op)
+        return _Pending(work if async_op else None, out)
 
     @staticmethod
     def reduce_scatter_start(flat: torch.Tensor, group: Any, n: int) -> _Pending:
-        """Start the sum reduce_scatter of ``flat`` (rank-major, ``n`` equal parts); ``wait()``
+        """Start the sum reduce_scatter of 1-D ``flat`` (rank-major, ``n`` equal parts); ``wait()``
         returns this rank's part."""
         if n == 1:
             return _Pending(None, flat)
-        return _Pending(*collectives.reduce_scatter_flat_start(flat, group, n))
+        out = flat.new_empty((flat.numel() // n,))
+        record("reduce_scatter", flat.numel() * flat.element_size(), n)
+        return _Pending(dist.reduce_scatter_single(out, flat, group=group, async_op=True), out)
 
     @staticmethod
     def all_reduce_sum(flat: torch.Tensor, group: Any, n: int) -> torch.Tensor:
