@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -259,3 +260,57 @@ def test_preloads_add_up_in_the_one_fork_server(tmp_path, add: str) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[[True, True, True]]", done.stdout
+
+
+_KILLED_SCRIPT = """
+import multiprocessing.forkserver, os, time
+from hp_dtensor.testing import RankPool
+
+
+def _pid(rank, world_size):
+    return os.getpid()
+
+
+if __name__ == "__main__":
+    pool = RankPool(2)
+    ranks = pool.run(_pid)
+    print(*ranks, multiprocessing.forkserver._forkserver._forkserver_pid, flush=True)
+    time.sleep(300)  # killed with SIGKILL here: no cleanup runs
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_test_process_killed_with_sigkill(tmp_path) -> None:
+    """A test process killed with SIGKILL (a timeout of the test runner, the OOM killer) runs no
+    cleanup.  Its ranks, children of its fork server and blocked waiting for the next case, used
+    to live on with the server; now the server exits with the test process and the kernel kills
+    the ranks within seconds."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "killed_main.py"
+    script.write_text(_KILLED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3 and not any(_gone(p) for p in pids), line
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    end = time.monotonic() + 10
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < end, f"ranks {pids[:2]} or fork server {pids[2]} outlived the killed test process"
+        time.sleep(0.05)

@@ -7,8 +7,9 @@ paid again by every rank of every run.  Elsewhere they are spawned.
 A launcher killed with SIGKILL runs no cleanup, so its ranks would go on training (and writing
 checkpoints) with nobody to report to.  On Linux the kernel delivers SIGKILL to a rank when its
 parent dies (``PR_SET_PDEATHSIG``): the parent is the launcher's fork server, which exits as soon
-as the launcher is gone (its end of the server's pipe closes).  Elsewhere a daemon thread polls
-the parent's pid.  The launcher's temporary folder (``hp-train-<pid>-*``) is removed by the next
+as the launcher is gone (its end of the server's pipe closes; ``hp_dtensor.testing.fork_server``,
+shared with the test harness's rank pools).  Elsewhere a daemon thread polls the parent's pid.
+The launcher's temporary folder (``hp-train-<pid>-*``) is removed by the next
 launcher, which checks that pid.
 
 When a rank dies the launcher names it, and its signal, before the errors the survivors then hit.
@@ -18,10 +19,7 @@ No framework is imported here.
 from __future__ import annotations
 
 import ast
-import ctypes
-import ctypes.util
 import multiprocessing as mp
-import multiprocessing.forkserver as mp_forkserver
 import os
 import re
 import shutil
@@ -34,44 +32,10 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _watch(parent: int, period_s: float) -> None:
-    while os.getppid() == parent:
-        time.sleep(period_s)
-    _kill_self()
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` from ``/proc`` (None where there is no ``/proc`` or no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def die_with_parent(launcher: int, *, period_s: float = 0.5) -> None:
-    """Make this rank die when ``launcher`` (the launcher's pid) does, also if it already has.
-
-    The rank's parent is the launcher itself (spawned) or the launcher's fork server (forked),
-    which ends when the launcher does; the kernel kills the rank when its parent ends.  A parent
-    that is neither (the rank was re-parented because its parent already ended) means the
-    launcher is gone."""
-    armed = False
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    parent = os.getppid()
-    if parent != launcher and _parent_of(parent) != launcher:  # gone before the request took effect
-        _kill_self()
-    if not armed:
-        threading.Thread(target=_watch, args=(parent, period_s), daemon=True, name="die-with-parent").start()
+from hp_dtensor.testing.fork_server import add_preload, let_go_of_the_fork_server
+from hp_dtensor.testing.fork_server import (
+    die_with_parent as die_with_parent,  # re-exported: a rank's first call
+)
 
 
 class JobFailed(RuntimeError):
@@ -192,14 +156,6 @@ def remove_stale_temp_dirs(tmp: str | None = None) -> list[str]:
     return removed
 
 
-def add_fork_server_preload(modules: Sequence[str]) -> None:
-    """Add ``modules`` to what this process's fork server imports when it starts (no effect once
-    it runs).  ``multiprocessing`` keeps one list per process and its setter replaces it: every
-    user of the server in a process (the launcher, a test's rank pool) adds to it instead."""
-    current = list(getattr(mp_forkserver._forkserver, "_preload_modules", ["__main__"]))
-    mp_forkserver.set_forkserver_preload(current + [m for m in modules if m not in current])
-
-
 def _guards_main(test: ast.expr) -> bool:
     """Whether an ``if`` test compares ``__name__`` with ``"__main__"`` (either way round, or as
     part of a larger condition)."""
@@ -249,27 +205,14 @@ def _rank_context(preload: Sequence[str] | None) -> Any:
     check_main_guard()
     if preload is None or not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
-    add_fork_server_preload(preload)
+    add_preload(preload)
     return mp.get_context("forkserver")
-
-
-def _let_go_of_the_fork_server() -> None:
-    """Close this rank's copy of the fork server's keep-alive pipe.  ``multiprocessing`` gives one
-    to every forked process, so that it can start processes of its own; but the server exits only
-    when every copy is closed, and the ranks die only when the server does: kept, the copies would
-    keep a killed launcher's ranks alive."""
-    server = mp_forkserver._forkserver
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None and getattr(server, "_forkserver_pid", None) is None:  # inherited, not our own server's
-        os.close(fd)
-        setattr(server, "_forkserver_alive_fd", None)  # noqa: B010 (not in the stubs)
-        setattr(server, "_forkserver_address", None)  # noqa: B010
 
 
 def _rank_entry(target: Any, env: dict[str, str], *args: Any) -> None:
     """A rank starts with the launcher's environment as it is now: a forked rank's server may
     have been started earlier, with another (``multiprocessing`` passes the import path itself)."""
-    _let_go_of_the_fork_server()
+    let_go_of_the_fork_server()
     os.environ.clear()
     os.environ.update(env)
     target(*args)

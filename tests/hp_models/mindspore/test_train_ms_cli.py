@@ -91,11 +91,11 @@ def test_the_command_on_two_mindspore_ranks(tmp_path) -> None:
 _AFTER_A_TORCH_SERVER = """
 import multiprocessing.forkserver, os, sys
 from hp_models import train
-from hp_models.launch import add_fork_server_preload
+from hp_dtensor.testing.fork_server import add_preload
 
 # As in a process whose torch trainer already ran: its fork server imported the torch trainer,
 # which selected torch for every process forked from it.
-add_fork_server_preload(["hp_models.trainer.loop"])
+add_preload(["hp_models.trainer.loop"])
 multiprocessing.forkserver.ensure_running()
 sys.exit(train.main(sys.argv[1:]))
 """

@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
-import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
 import queue
@@ -34,6 +33,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+from hp_dtensor.testing.fork_server import add_preload, die_with_parent, let_go_of_the_fork_server
 
 _forkserver = mp.get_context("forkserver")
 # What a torch rank imports before its first case, imported once by the fork server ("__main__":
@@ -50,14 +51,11 @@ _MINDSPORE_PRELOAD = ["hp_dtensor.platform.mindspore"]
 
 
 def preload_in_fork_server(modules: list[str]) -> None:
-    """Add ``modules`` to what this process's fork server imports when it starts.  The server is
-    shared by every forkserver process of the test process (pool ranks, the crash tests' launchers,
-    the trainer's ranks), and ``multiprocessing`` keeps a single list whose setter replaces it:
-    every user adds to the list it finds (as ``hp_models.launch`` does)."""
-    current = list(getattr(mp_forkserver._forkserver, "_preload_modules", ["__main__"]))
+    """Add ``modules``, and what a pool's ranks import, to what this process's fork server imports
+    when it starts.  The server is shared by every forkserver process of the test process (pool
+    ranks, the crash tests' launchers, the trainer's ranks): each adds to the one list."""
     mindspore = _MINDSPORE_PRELOAD if os.environ.get("HYPER_PARALLEL_PLATFORM") == "mindspore" else []
-    added = [m for m in [*_POOL_PRELOAD, *mindspore, *modules] if m not in current]
-    _forkserver.set_forkserver_preload(current + added)
+    add_preload([*_POOL_PRELOAD, *mindspore, *modules])
 
 
 def _context(platform: str) -> Any:
@@ -85,7 +83,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ms_scheduler_main(env: dict[str, str]) -> None:
+def _ms_scheduler_main(env: dict[str, str], starter: int) -> None:
+    let_go_of_the_fork_server()
+    die_with_parent(starter)
     os.environ.clear()  # (as a rank: the server's environment may be older than the pool's)
     os.environ.update(env)
     from hp_dtensor.platform import current
@@ -95,8 +95,13 @@ def _ms_scheduler_main(env: dict[str, str]) -> None:
 
 def _rank_main(
     rank: int, world_size: int, backend: str | None, store_path: str, tasks: Any, results: Any, env: dict[str, str],
-    threads: int | None,
+    threads: int | None, starter: int,
 ) -> None:
+    # A rank forked from the server is the server's child: it closes its copy of the server's
+    # keep-alive pipe, so that a test process killed with SIGKILL takes the server, and with it
+    # every rank, down (``fork_server``); a rank would otherwise wait for cases forever.
+    let_go_of_the_fork_server()
+    die_with_parent(starter)
     # The test process's environment as it is now, whether this rank was spawned from it or forked
     # from a server started earlier (``multiprocessing`` installs the caller's ``sys.path`` itself).
     os.environ.clear()
@@ -212,7 +217,7 @@ class RankPool:
             p = ctx.Process(
                 target=_rank_main,
                 args=(rank, self.world_size, self.backend, store, self._tasks[rank], self._results,
-                      {**os.environ, **self.env, **rank_env(rank)}, self.threads_per_rank),
+                      {**os.environ, **self.env, **rank_env(rank)}, self.threads_per_rank, os.getpid()),
                 daemon=True,
             )
             p.start()
@@ -240,7 +245,8 @@ class RankPool:
             "HYPER_PARALLEL_PLATFORM": "mindspore",
         }
         self._scheduler = ctx.Process(
-            target=_ms_scheduler_main, args=({**os.environ, **self.env, **common, "MS_ROLE": "MS_SCHED"},), daemon=True)
+            target=_ms_scheduler_main, args=({**os.environ, **self.env, **common, "MS_ROLE": "MS_SCHED"}, os.getpid()),
+            daemon=True)
         self._scheduler.start()
         return lambda rank: {**common, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank)}
 
