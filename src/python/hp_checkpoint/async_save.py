@@ -19,16 +19,10 @@ from typing import Any
 from hp_checkpoint.atomic import save_checkpoint
 from hp_checkpoint.dcp import DCPPrimitives
 from hp_checkpoint.platform import feature
-from hp_dtensor.platform import current
 
 # Test hook (off unless set): called in the background thread before it writes anything, so a
 # test can hold the writer and show that training does not wait for it.
 before_write: Callable[[], None] | None = None
-
-
-def _object_collectives() -> Any:
-    # A group of its own for the writer thread: a torch-backend extra, outside the backend contract.
-    return current()
 
 
 class AsyncCheckpointer:
@@ -36,7 +30,7 @@ class AsyncCheckpointer:
 
     def __init__(self) -> None:
         self._dcp: DCPPrimitives = feature("DCP", "asynchronous checkpoints")
-        self._group = _object_collectives().new_world_group()
+        self._group = self._dcp.new_world_group()
         self._thread: threading.Thread | None = None
         self._result: str | None = None
         self._error: BaseException | None = None

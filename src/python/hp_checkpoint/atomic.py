@@ -88,7 +88,6 @@ def save_checkpoint(
     complete checkpoints afterwards (and removes directories of crashed saves).  Returns the
     checkpoint's path on every rank; raises ``CheckpointError`` on every rank when it failed.
     ``group``: the platform's process group for its collectives (default: every rank's)."""
-    # Object collectives are torch-backend extras, outside the backend contract, like DCP itself.
     plat: Any = dtensor_platform()
     dcp = dcp_backend()
     rank = plat.get_rank()
@@ -97,7 +96,7 @@ def save_checkpoint(
     opened: tuple[str | None, str | None] = (None, None)
     if rank == 0:
         opened = _open_staging(root, step)
-    nonce, failure = plat.broadcast_object(opened, group=group)
+    nonce, failure = dcp.broadcast_object(opened, group=group)
     if failure is not None:
         raise CheckpointError(failure)
     stage = os.path.join(root, f".staging-{step_name(step)}-{nonce}")
@@ -118,13 +117,13 @@ def save_checkpoint(
     crash_point(FaultPoint.FILES_WRITTEN, rank, step)
     # every rank's tensors: ranks may hold different names (the stages of a pipeline)
     tensors = tensor_entries(state_dict, dcp.tensor_meta)
-    gathered = plat.all_gather_object((mine, error, tensors), group=group)
+    gathered = dcp.all_gather_object((mine, error, tensors), group=group)
     outcome: tuple[str | None, str | None] = (None, None)
     if rank == 0:
         outcome = _finish(plat.NAME, root, stage, step, gathered, extra, keep)
         if outcome[1] is not None:
             _discard(stage)  # every rank is done with it; a committed step is no longer there
-    path, failure = plat.broadcast_object(outcome, group=group)
+    path, failure = dcp.broadcast_object(outcome, group=group)
     if failure is not None:
         raise CheckpointError(failure)
     assert path is not None
@@ -205,7 +204,6 @@ def verify_sharded(path: str, state_dict: Mapping[str, Any] | None = None, *, st
     each, the checksums spread over the ranks, and (given ``state_dict``) every tensor's global
     shape and dtype.  Raises the same ``CheckpointError`` on every rank, naming the file or
     tensor; returns the manifest."""
-    # Object collectives are torch-backend extras, outside the backend contract, like DCP itself.
     plat: Any = dtensor_platform()
     dcp = dcp_backend()
     rank, world = plat.get_rank(), plat.get_world_size()
@@ -226,7 +224,7 @@ def verify_sharded(path: str, state_dict: Mapping[str, Any] | None = None, *, st
         found = (0, str(e))
     except OSError as e:
         found = (1, f"checkpoint {path}: cannot read it: {e}")
-    reports = plat.all_gather_object(found)
+    reports = dcp.all_gather_object(found)
     bad = [r for r in reports if r is not None]
     if bad:
         raise CheckpointError(min(bad)[1])

@@ -1,5 +1,6 @@
 """Checkpoints' torch primitives: DCP, safetensors shard files, point-to-point box transfer."""
 
+from hp_checkpoint.platform.torch import agreement as _agreement
 from hp_checkpoint.platform.torch import dcp as _dcp
 from hp_checkpoint.platform.torch import state_dict as _state_dict
 from hp_checkpoint.platform.torch.shard_files import SHARD_FILES
@@ -18,6 +19,9 @@ class _TorchDCP:
     get_optimizer_state_dict = staticmethod(_state_dict.get_optimizer_state_dict)
     set_optimizer_state_dict = staticmethod(_state_dict.set_optimizer_state_dict)
     stage_to_cpu = staticmethod(_state_dict.stage_to_cpu)
+    broadcast_object = staticmethod(_agreement.broadcast_object)
+    all_gather_object = staticmethod(_agreement.all_gather_object)
+    new_world_group = staticmethod(_agreement.new_world_group)
 
 
 DCP = _TorchDCP()

@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING
 
 from hp_dtensor.platform.torch import dtensor as _dtensor
 from hp_dtensor.platform.torch import kernels as _kernels  # noqa: F401  (the local kernels rules name)
-from hp_dtensor.platform.torch.collectives import COLLECTIVES, all_gather_object, broadcast_object
+from hp_dtensor.platform.torch.collectives import COLLECTIVES, all_gather_object
 from hp_dtensor.platform.torch.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec, distribute_tensor
 from hp_dtensor.platform.torch.modules import (
@@ -47,7 +47,6 @@ from hp_dtensor.platform.torch.process_group import (
     init_fake,
     init_rank,
     is_initialized,
-    new_world_group,
     serve_scheduler,
     world_generation,
 )
@@ -77,7 +76,6 @@ __all__ = [
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
     "track_module_forward", "destroy", "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "world_generation",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
-    "FORWARD", "add_child", "all_gather_object", "broadcast_object",
-    "new_world_group",
+    "FORWARD", "add_child", "all_gather_object",
     "parameters", "register_buffer", "register_param", "state_dict",
 ]

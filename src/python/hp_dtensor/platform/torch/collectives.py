@@ -143,17 +143,6 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` of global rank ``src`` on every rank of ``group`` (default: the world; itself without
-    a process group)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    record("broadcast_object", 0, dist.get_world_size(group))
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
 class _Collectives:
     """torch's ``Collectives`` (the backend contract's one signature per collective): gloo, nccl
     and hccl need no coordinate, so ``index`` is unused here."""

@@ -183,12 +183,3 @@ def world_generation() -> int:
     if is_initialized():
         _follow(dist.group.WORLD)
     return _groups.generation
-
-
-def new_world_group() -> Any:
-    """A second group of every rank (gloo), for collectives issued from a background thread so
-    they never interleave with the training's on the default group; ``None`` without a process
-    group.  Collective: every rank calls it, in the same order."""
-    if not is_initialized():
-        return None
-    return dist.new_group(backend="gloo")
