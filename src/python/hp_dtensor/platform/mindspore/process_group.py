@@ -30,10 +30,6 @@ def is_initialized() -> bool:
     return bool(_state["initialized"])
 
 
-def is_single_process() -> bool:
-    return bool(_state["single"])
-
-
 def default_device_type() -> str:
     """The device kind of a mesh nobody named: the one this process runs MindSpore on once it has
     joined a job, else the target this MindSpore was built for ("npu" on Ascend, else "cpu")."""
