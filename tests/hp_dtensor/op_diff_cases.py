@@ -305,8 +305,12 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
     from hp_dtensor.platform.torch import dispatch
 
     mesh = init_device_mesh("cpu", mesh_shape)
-    # The rank may have served other files' cases (pools are handed on): only this run's fallbacks count.
+    # The rank may have served other files' cases (pools are handed on), which fell back on purpose:
+    # this run starts with no op warned and no decision cached, so each of its fallbacks decides
+    # (and warns) anew; what the rank knew before is restored afterwards.
     warned_before = set(dispatch._warned)
+    dispatch._warned.clear()
+    dispatch._CORE.cache.clear()
     rng = random.Random(seed)
     cases = 0
     failures: list[str] = []
@@ -367,13 +371,9 @@ def run_cases(rank: int, world: int, mesh_shape: tuple[int, ...], seed: int, sca
                 if op.refuses and op.refuses in str(e):
                     continue
                 failures.append(f"{where}: raised {type(e).__name__}: {str(e)[:300]}")
-    return {
-        "cases": cases,
-        "ops": covered,
-        "failures": failures,
-        "fallbacks": sorted(dispatch._warned - warned_before),
-        "answers": answers,
-    }
+    fallbacks = sorted(dispatch._warned)
+    dispatch._warned.update(warned_before)
+    return {"cases": cases, "ops": covered, "failures": failures, "fallbacks": fallbacks, "answers": answers}
 
 
 def summarize(results: list[dict[str, Any]], mesh_shape: tuple[int, ...]) -> str:
