@@ -314,3 +314,34 @@ def test_ranks_die_with_a_test_process_killed_with_sigkill(tmp_path) -> None:
     while not all(_gone(p) for p in pids):
         assert time.monotonic() < end, f"ranks {pids[:2]} or fork server {pids[2]} outlived the killed test process"
         time.sleep(0.05)
+
+
+def _exit_code_of_child_that_dies_with(starter: int, *, proc_readable: bool) -> int:
+    """Fork a child (whose parent is this process) that calls ``die_with_parent(starter)`` and
+    then exits 0; its exit code (-9: it killed itself)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            from hp_dtensor import fork_server
+
+            if not proc_readable:  # as without /proc (macOS): no grandparent known
+                fork_server._parent_of = lambda _pid: None  # type: ignore[assignment]
+            fork_server.die_with_parent(starter)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+@pytest.mark.parametrize("proc_readable", [True, False], ids=["with_proc", "without_proc"])
+def test_a_rank_dies_only_when_its_starter_is_gone(proc_readable: bool) -> None:
+    """A rank whose parent is the starter's child (the fork server) lives while the starter does,
+    with or without /proc to read the grandparent from; it kills itself when the starter is gone."""
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    assert _exit_code_of_child_that_dies_with(os.getppid(), proc_readable=proc_readable) == 0
+    assert _exit_code_of_child_that_dies_with(os.getpid(), proc_readable=proc_readable) == 0
+    assert _exit_code_of_child_that_dies_with(gone.pid, proc_readable=proc_readable) == -9

@@ -7,7 +7,7 @@ paid again by every rank of every run.  Elsewhere they are spawned.
 A launcher killed with SIGKILL runs no cleanup, so its ranks would go on training (and writing
 checkpoints) with nobody to report to.  On Linux the kernel delivers SIGKILL to a rank when its
 parent dies (``PR_SET_PDEATHSIG``): the parent is the launcher's fork server, which exits as soon
-as the launcher is gone (its end of the server's pipe closes; ``hp_dtensor.testing.fork_server``,
+as the launcher is gone (its end of the server's pipe closes; ``hp_dtensor.fork_server``,
 shared with the test harness's rank pools).  Elsewhere a daemon thread polls the parent's pid.
 The launcher's temporary folder (``hp-train-<pid>-*``) is removed by the next
 launcher, which checks that pid.
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from hp_dtensor.testing.fork_server import add_preload, let_go_of_the_fork_server
-from hp_dtensor.testing.fork_server import (
+from hp_dtensor.fork_server import add_preload, let_go_of_the_fork_server
+from hp_dtensor.fork_server import (
     die_with_parent as die_with_parent,  # re-exported: a rank's first call
 )
 
@@ -205,6 +205,7 @@ def _rank_context(preload: Sequence[str] | None) -> Any:
     check_main_guard()
     if preload is None or not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
+    let_go_of_the_fork_server()  # a launcher forked from another's server starts one of its own
     add_preload(preload)
     return mp.get_context("forkserver")
 

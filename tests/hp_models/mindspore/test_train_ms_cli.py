@@ -91,7 +91,7 @@ def test_the_command_on_two_mindspore_ranks(tmp_path) -> None:
 _AFTER_A_TORCH_SERVER = """
 import multiprocessing.forkserver, os, sys
 from hp_models import train
-from hp_dtensor.testing.fork_server import add_preload
+from hp_dtensor.fork_server import add_preload
 
 # As in a process whose torch trainer already ran: its fork server imported the torch trainer,
 # which selected torch for every process forked from it.

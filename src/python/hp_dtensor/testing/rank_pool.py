@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from hp_dtensor.testing.fork_server import add_preload, die_with_parent, let_go_of_the_fork_server
+from hp_dtensor.fork_server import add_preload, die_with_parent, let_go_of_the_fork_server
 
 _forkserver = mp.get_context("forkserver")
 # What a torch rank imports before its first case, imported once by the fork server ("__main__":
@@ -206,6 +206,7 @@ class RankPool:
     def start(self) -> None:
         if self._procs:
             return
+        let_go_of_the_fork_server()  # a pool started in a forked process: its own server, not its parent's
         self._dir = tempfile.mkdtemp(prefix="hp-rankpool-")
         store = os.path.join(self._dir, "store")
         platform = self._platform()

@@ -8,19 +8,19 @@ that, each needed:
 
 - ``let_go_of_the_fork_server``: every forked process inherits a copy of the starter's end of the
   server's keep-alive pipe (so that it could use the server itself); the server exits only when
-  every copy is closed, so each rank closes its copy first;
+  every copy is closed, so each rank closes its copy first, and so does a starter that was itself
+  forked from another process's server (it starts a server of its own);
 - ``die_with_parent``: on Linux the kernel then kills a rank when its parent, the server, exits
   (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent's pid;
 - ``add_preload``: ``multiprocessing`` keeps one preload list per process and its setter replaces
   it, so every user of the server adds to the list it finds.
 
-Standard library only: the launcher of the trainer and the test harness share it.
+Standard library only, no framework: the trainer's launcher and the test harness share it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import multiprocessing.forkserver as mp_forkserver
 import os
 import signal
@@ -70,6 +70,16 @@ def _parent_of(pid: int) -> int | None:
         return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process of that pid: ours is gone
+        return False
+    return True
+
+
 def die_with_parent(starter: int, *, period_s: float = 0.5) -> None:
     """Make this process die when ``starter`` (the pid of the process that asked for it) does, also
     if it already has.
@@ -80,11 +90,15 @@ def die_with_parent(starter: int, *, period_s: float = 0.5) -> None:
     already ended) means the starter is gone."""
     armed = False
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # this process's own symbols: no ldconfig run
         armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     parent = os.getppid()
-    if parent != starter and _parent_of(parent) != starter:  # gone before the request took effect
-        _kill_self()
+    if parent != starter:
+        grandparent = _parent_of(parent)
+        # Re-parented (the starter's server is gone), or without /proc the starter itself gone:
+        # the starter ended before the request took effect.
+        if (grandparent is not None and grandparent != starter) or (grandparent is None and not _alive(starter)):
+            _kill_self()
     if not armed:
         threading.Thread(target=_watch, args=(parent, period_s), daemon=True, name="die-with-parent").start()
 
