@@ -34,6 +34,7 @@ def sdpa_rule(call: OpCall, n_qkv_like: int, n_outputs: int, lse_outputs: tuple[
     outs = tuple(req for _ in range(n_outputs))
     return Decision(tuple(ins), outs)
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("_scaled_dot_product_flash_attention_for_cpu", lambda c: sdpa_rule(c, 3, 2))

@@ -76,6 +76,7 @@ def cast_input_rule(call: OpCall) -> Decision:
 keeps_uneven(dtype_kwarg_cast_rule)
 keeps_uneven(cast_input_rule)
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("_to_copy", dtype_kwarg_cast_rule)

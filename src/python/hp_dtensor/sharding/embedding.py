@@ -102,6 +102,7 @@ def gather_rows_rule(call: OpCall) -> Decision:
         return replicated_rule(call)
     return embedding_rule(with_inputs(call, (table, ids)))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("embedding", embedding_rule)

@@ -29,6 +29,7 @@ def new_factory_rule(call: OpCall, size_pos: int = 1, strides_pos: int | None = 
         args[strides_pos] = list(contiguous_strides(loc))
     return Decision((t.placements,), (out,), args=tuple(args))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("ones_like zeros_like empty_like full_like", keeps_uneven(like_factory_rule))

@@ -180,6 +180,7 @@ def scatter_rule(call: OpCall, *, accumulate: bool, src_is_tensor: bool, index_1
         ins.append(tuple(req_s))
     return Decision(tuple(ins), (tuple(out),))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add(

@@ -65,20 +65,22 @@ def join_local_updates(
         out.append(x)
     return out
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 # In-place updates and fused optimizer kernels (mint.optim) on MindSpore: a plain tensor of the
 # DTensor's local shape among their arguments is that DTensor's local gradient or state -- what
 # value_and_grad returns for a DTensor parameter -- so it joins with the first DTensor's spec and
 # the op runs shard by shard.  Anywhere else a plain tensor next to a DTensor is an error.
-LOCAL_UPDATE_OPS = frozenset("""
+_LOCAL_UPDATES = """
     AdamW Adam ApplyAdamW SGD ApplyMomentum Assign AssignAdd AssignSub InplaceAddExt InplaceAddsExt
     InplaceSubExt InplaceSubScalar InplaceMul InplaceMuls InplaceDiv InplaceDivs InplaceCopy InplaceAddcmul
     InplaceAddcdiv InplaceLerp InplaceSqrt InplaceZero InplaceFillScalar
-""".split())
+"""
+LOCAL_UPDATE_OPS = frozenset(_LOCAL_UPDATES.split())
 # Those that commute with a Partial reduction when applied to each rank's term: scaling by a
 # number, zeroing, copying a value of the same layout.  Any other (adding a number, filling,
 # sqrt, ...) would act once per rank.
 _PARTIAL_SAFE_UPDATES = frozenset({"InplaceMuls", "InplaceDivs", "InplaceZero", "InplaceCopy", "Assign"})
 
 MINDSPORE_OPS = OpRules()
-MINDSPORE_OPS.add(" ".join(sorted(LOCAL_UPDATE_OPS)), local_update_rule(_PARTIAL_SAFE_UPDATES))
+MINDSPORE_OPS.add(_LOCAL_UPDATES, local_update_rule(_PARTIAL_SAFE_UPDATES))

@@ -66,6 +66,7 @@ def mse_loss_backward_rule(call: OpCall, reduction: int) -> Decision:
     rep = tuple(Replicate() for _ in g.placements)
     return Decision((rep, req, req), (req,), args=(g, x, y, reduction, x.numel), kwargs={}, kernel="mse_loss_backward")
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("nll_loss_forward nll_loss2d_forward", lambda c: nll_loss_rule(c, int_arg(c, 3, "reduction", 1)))

@@ -124,6 +124,7 @@ def dense_rule(call: OpCall) -> Decision:
     b_req, x_req, w_req = dec.inputs
     return Decision((x_req, w_req, b_req), dec.outputs)
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("mm", lambda c: einsum_rule(c, "mk,kn->mn"))

@@ -98,6 +98,7 @@ def softmax_axis_rule(call: OpCall) -> Decision:
         axis = axis[0]
     return softmax_rule(call, int(axis))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("native_layer_norm", lambda c: layer_norm_rule(c, len(c.args[1])))

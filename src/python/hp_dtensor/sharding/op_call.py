@@ -185,7 +185,7 @@ class OpRules(dict[str, Rule]):
         self._prefix = f"{namespace}." if namespace else ""
         self._default = default_overload
 
-    def full_name(self, name: str) -> str:
+    def _full_name(self, name: str) -> str:
         if self._default and "." not in name:
             name = f"{name}.{self._default}"
         return self._prefix + name
@@ -193,7 +193,7 @@ class OpRules(dict[str, Rule]):
     def add(self, names: str, rule: Rule) -> Rule:
         """Use ``rule`` for every whitespace-separated op in ``names``; returns ``rule``."""
         for name in names.split():
-            self._claim(self.full_name(name), rule)
+            self._claim(self._full_name(name), rule)
         return rule
 
     def _claim(self, name: str, rule: Rule) -> None:

@@ -239,6 +239,7 @@ def func_dropout_rule(call: OpCall) -> Decision:
 keeps_uneven(dropout_rule, 2, "dropout")
 keeps_uneven(func_dropout_rule, 1, "func_dropout")
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("masked_fill.Scalar masked_fill_.Scalar masked_fill.Tensor masked_fill_.Tensor", masked_fill_rule)

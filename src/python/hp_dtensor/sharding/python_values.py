@@ -42,6 +42,7 @@ def metadata_rule(call: OpCall) -> Decision:
     """The type of a tensor (argument checks in MindSpore's nn cells): no data moves, nothing to wrap."""
     return Decision(tuple(None for _ in call.tensors()), ())
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("is_same_size", same_layout_rule)

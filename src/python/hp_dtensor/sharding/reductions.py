@@ -166,6 +166,7 @@ def foreach_norm_rule(call: OpCall) -> Decision:
     return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
                     (tuple(Replicate() for _ in infos[0].placements),))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 def _over_dims(kind: str) -> Rule:
     """A ``kind`` reduction ``(x, dims, keepdim)``, kept shard by shard on an unevenly sharded

@@ -15,6 +15,7 @@ def triangular_rule(call: OpCall) -> Decision:
     diagonal = call.args[1] if len(call.args) > 1 else call.kwargs.get("diagonal", 0)
     return Decision((t.placements,), (t.placements,), args=(t, diagonal, t.shape), kwargs={}, kernel="triangular")
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("tril triu", triangular_rule)

@@ -279,6 +279,7 @@ def concat_axis_rule(call: OpCall) -> Decision:
     axis = call.args[1] if len(call.args) > 1 else call.kwargs.get("axis", 0)
     return cat_rule(OpCall(call.name, call.mesh_shape, (list(call.args[0]), axis)))
 
+
 # ---------------------------------------------------------------- the ops these rules cover
 ATEN_OPS = OpRules("aten", "default")
 ATEN_OPS.add("view _unsafe_view reshape", local_view_rule)
