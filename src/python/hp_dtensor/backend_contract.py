@@ -164,8 +164,6 @@ class Backend(Protocol):
 
     def register_forward_hook(self, m: Any, hook: Callable[..., Any]) -> Any: ...
 
-    def track_module_forward(self, root: Any, push: Callable[[str], None], pop: Callable[[str], None]) -> None: ...
-
     # ----- RNG -----
     @property
     def RNG(self) -> Any:

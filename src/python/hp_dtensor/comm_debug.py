@@ -87,10 +87,15 @@ class CommDebugMode:
         self.comm_log.clear()
 
     def track_module(self, module: Any) -> None:
-        """Attribute collectives issued while a submodule's forward runs to its FQN."""
+        """Attribute collectives issued while a submodule's forward runs to its FQN (the root's
+        as ``<root>``)."""
         from hp_dtensor.platform import current
 
-        current().track_module_forward(module, push_module, pop_module)
+        plat = current()
+        for fqn, sub in plat.named_modules(module):
+            name = fqn or "<root>"
+            plat.register_forward_pre_hook(sub, lambda _m, _a, _n=name: push_module(_n))
+            plat.register_forward_hook(sub, lambda _m, _a, _o, _n=name: pop_module(_n))
 
     def __enter__(self) -> CommDebugMode:
         _modes().append(self)

@@ -178,7 +178,20 @@ def _distribute_and_check(rank, world):
                       lambda m, inputs, mesh_: (DTensor.from_local(inputs[0], mesh_, [Replicate(), Replicate()]),),
                       lambda m, out, mesh_: seen.append(out.placements) or out.to_local())
     y = cell(Tensor(np.ones((3, 4), np.float32)))
-    return from_source, local_slices, shape_error, (cell.weight.placements, tuple(y.shape), seen)
+
+    class Gather(nn.Cell):
+        def construct(self, x):
+            return x.redistribute(x.device_mesh, [Replicate(), Replicate()])
+
+    # a collective is attributed to the innermost cell whose forward issued it
+    model = nn.SequentialCell([nn.Identity(), Gather()])
+    comm = CommDebugMode()
+    comm.track_module(model)
+    with comm:
+        model(dt2)
+        dt2.full_tensor()  # outside any cell
+    by_cell = (comm.get_comm_counts_by_module(), comm.get_comm_counts())
+    return from_source, local_slices, shape_error, (cell.weight.placements, tuple(y.shape), seen), by_cell
 
 
 def test_redistribute_all_layouts_on_the_world_group(pool):
@@ -203,7 +216,7 @@ def test_distribute_tensor_from_local_and_distribute_module(pool):
     from hp_dtensor import Replicate
 
     A = _A()
-    for rank, (from_source, local_slices, shape_error, module) in enumerate(pool.run(_distribute_and_check)):
+    for rank, (from_source, local_slices, shape_error, module, by_cell) in enumerate(pool.run(_distribute_and_check)):
         r0, r1 = divmod(rank, 2)
         np.testing.assert_array_equal(from_source[0], np.split(np.split(A, 2, 0)[r0], 2, 1)[r1])
         assert from_source[1] == {"broadcast": 2}  # one per mesh dim, from group-rank 0
@@ -213,6 +226,7 @@ def test_distribute_tensor_from_local_and_distribute_module(pool):
         placements, y_shape, seen = module
         assert placements == (Replicate(), Replicate()) and y_shape == (3, 2)
         assert seen == [(Replicate(), Replicate())]
+        assert by_cell == ({"1": {"all_gather": 1}}, {"all_gather": 2}), by_cell
 
 
 # ---------------------------------------------------------------- uneven (torch.chunk-style) shards

@@ -36,7 +36,6 @@ from hp_dtensor.platform.mindspore.modules import (
     set_param,
     share_param,
     state_dict,
-    track_module_forward,
 )
 from hp_dtensor.platform.mindspore.process_group import (
     DEVICE_TYPES,
@@ -83,7 +82,7 @@ __all__ = [
     "NAME", "COLLECTIVES", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential",
     "numel", "Parameter", "direct_buffers", "direct_params", "is_embedding_module", "is_linear_module",
     "is_module", "is_tensor", "named_children", "named_modules", "register_forward_hook",
-    "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "track_module_forward", "destroy",
+    "register_forward_pre_hook", "set_buffer", "set_param", "share_param", "destroy",
     "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "get_world_size", "init_fake", "world_generation",
     "init_rank", "is_initialized", "serve_scheduler", "set_num_threads", "RNG",
     "FORWARD", "add_child", "init_param_", "parameters", "register_buffer",

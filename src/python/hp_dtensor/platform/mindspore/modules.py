@@ -136,9 +136,3 @@ def register_forward_pre_hook(m: nn.Cell, hook: Callable[..., Any], *, with_kwar
 def register_forward_hook(m: nn.Cell, hook: Callable[..., Any]) -> Any:
     return m.register_forward_hook(hook)
 
-
-def track_module_forward(root: nn.Cell, push: Callable[[str], None], pop: Callable[[str], None]) -> None:
-    for fqn, sub in root.cells_and_names():
-        name = fqn or "<root>"
-        sub.register_forward_pre_hook(lambda _m, _a, _n=name: push(_n))
-        sub.register_forward_hook(lambda _m, _a, _o, _n=name: pop(_n))

@@ -34,7 +34,6 @@ from hp_dtensor.platform.torch.modules import (
     set_param,
     share_param,
     state_dict,
-    track_module_forward,
 )
 from hp_dtensor.platform.torch.process_group import (
     DEVICE_TYPES,
@@ -74,7 +73,7 @@ __all__ = [
     "NAME", "COLLECTIVES", "serve_scheduler", "DTensor", "DTensorSpec", "distribute_tensor", "Module", "ModuleDict", "ModuleList", "Sequential", "init_param_", "numel", "Parameter", "direct_buffers",
     "direct_params", "is_embedding_module", "is_linear_module", "is_module", "is_tensor", "named_children",
     "named_modules", "register_forward_hook", "register_forward_pre_hook", "set_buffer", "set_param", "share_param",
-    "track_module_forward", "destroy", "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "world_generation",
+    "destroy", "DEVICE_TYPES", "default_device_type", "ensure_process_group", "get_or_create_group", "get_rank", "world_generation",
     "get_world_size", "init_fake", "init_rank", "is_initialized", "set_num_threads", "RNG",
     "FORWARD", "add_child", "all_gather_object",
     "parameters", "register_buffer", "register_param", "state_dict",

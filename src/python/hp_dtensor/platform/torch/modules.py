@@ -113,9 +113,3 @@ def register_forward_pre_hook(m: nn.Module, hook: Callable[..., Any], *, with_kw
 def register_forward_hook(m: nn.Module, hook: Callable[..., Any]) -> Any:
     return m.register_forward_hook(hook)
 
-
-def track_module_forward(root: nn.Module, push: Callable[[str], None], pop: Callable[[str], None]) -> None:
-    for fqn, sub in root.named_modules():
-        name = fqn or "<root>"
-        sub.register_forward_pre_hook(lambda _m, _a, _n=name: push(_n))
-        sub.register_forward_hook(lambda _m, _a, _o, _n=name: pop(_n))
