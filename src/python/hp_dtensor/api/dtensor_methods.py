@@ -73,8 +73,9 @@ class DTensorMethods:
         raise NotImplementedError
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        """Refuse ``placements`` this tensor's dtype cannot hold (``Partial('avg')`` on integers)."""
-        raise NotImplementedError
+        """Refuse ``placements`` this tensor's dtype cannot hold (``Partial('avg')`` on integers):
+        both frameworks name their dtypes alike (``torch.int64``, ``Int64``)."""
+        check_partial_dtype(placements, str(self.dtype))  # type: ignore[attr-defined]
 
     def _redistribute(self, dst: tuple[Placement, ...]) -> Self:
         """A new DTensor of this value laid out as ``dst`` (a differentiable layout change)."""

@@ -322,3 +322,21 @@ def checked_spec(
         raise error
     assert spec is not None
     return spec
+
+
+def from_local_spec(
+    local_shape_: Sequence[int],
+    dtype: str,
+    data: Callable[[], DataBytes],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement] | Placement | None,
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    run_check: bool,
+    collectives: Collectives,
+) -> DTensorSpec:
+    """``from_local``'s spec: agreed by every rank of the mesh with ``run_check``
+    (``checked_spec``), else from this rank's arguments alone (``from_local_checked``)."""
+    if run_check:
+        return checked_spec(local_shape_, dtype, data, mesh, placements, shape, stride, collectives)
+    return from_local_checked(local_shape_, dtype, mesh, placements, shape, stride)

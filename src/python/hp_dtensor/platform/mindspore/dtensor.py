@@ -20,10 +20,10 @@ from mindspore._c_expression import NoFallbackGuard
 from mindspore.ops.auto_generate.gen_ops_prim import Identity
 
 from hp_dtensor.api import from_local_check
-from hp_dtensor.api.dtensor_methods import distribute_with, from_local_checked
+from hp_dtensor.api.dtensor_methods import distribute_with
 from hp_dtensor.api.global_values import GlobalValueMethods
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.layout.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.layout.dtensor_spec import DTensorSpec, resolve_mesh
 from hp_dtensor.placement_types import (
     Placement,
     Replicate,
@@ -175,9 +175,6 @@ class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
         on_root = () if layout is None else layout.whole_use()
         return KeepGradOnRoot.apply(local, self._spec.mesh, on_root) if on_root else local
 
-    def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        check_partial_dtype(placements, str(self.dtype))
-
     def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         spec = self._spec
         layout = GradLayout()
@@ -211,12 +208,10 @@ class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
         if not isinstance(local_tensor, Tensor):
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
-        lshape = tuple(Tensor.shape.fget(local_tensor))
-        if run_check:
-            spec = from_local_check.checked_spec(lshape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor),
-                                                 mesh, placements, shape, stride, C.COLLECTIVES)
-        else:
-            spec = from_local_checked(lshape, str(local_tensor.dtype), mesh, placements, shape, stride)
+        spec = from_local_check.from_local_spec(
+            tuple(Tensor.shape.fget(local_tensor)), str(local_tensor.dtype), lambda: _data_bytes(local_tensor), mesh,
+            placements, shape, stride, run_check, C.COLLECTIVES,
+        )
         return DTensor(local_tensor, spec)
 
 

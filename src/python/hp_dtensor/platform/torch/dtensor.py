@@ -13,13 +13,9 @@ from typing import Any
 import torch
 
 from hp_dtensor.api import from_local_check
-from hp_dtensor.api.dtensor_methods import (
-    DTensorMethods,
-    distribute_with,
-    from_local_checked,
-)
+from hp_dtensor.api.dtensor_methods import DTensorMethods, distribute_with
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.layout.dtensor_spec import DTensorSpec, check_partial_dtype, resolve_mesh
+from hp_dtensor.layout.dtensor_spec import DTensorSpec, resolve_mesh
 from hp_dtensor.placement_types import Placement, normalize_placements
 from hp_dtensor.platform.torch import collectives as C
 from hp_dtensor.platform.torch.redistribute import grad_placements, redistribute_local
@@ -116,9 +112,6 @@ class DTensor(DTensorMethods, torch.Tensor):
             return self._local_tensor
         return ToLocal.apply(self, gp)  # type: ignore[no-any-return]
 
-    def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        check_partial_dtype(placements, str(self.dtype))
-
     def _redistribute(self, dst: tuple[Placement, ...]) -> DTensor:
         return Redistribute.apply(self, self._spec.mesh, dst)  # type: ignore[no-any-return]
 
@@ -140,14 +133,10 @@ class DTensor(DTensorMethods, torch.Tensor):
         placements, ``shape``, a digest of the data's bytes) and raises the same ``ValueError`` on
         every rank, naming each rank's value, when they do not describe one DTensor -- including
         ``Replicate`` shards that are not bit-identical (see ``hp_dtensor.api.from_local_check``)."""
-        mesh = resolve_mesh(device_mesh, "from_local")
-        if run_check:
-            spec = from_local_check.checked_spec(
-                local_tensor.shape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor), mesh, placements,
-                shape, stride, C.COLLECTIVES,
-            )
-        else:
-            spec = from_local_checked(local_tensor.shape, str(local_tensor.dtype), mesh, placements, shape, stride)
+        spec = from_local_check.from_local_spec(
+            local_tensor.shape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor),
+            resolve_mesh(device_mesh, "from_local"), placements, shape, stride, run_check, C.COLLECTIVES,
+        )
         return FromLocal.apply(local_tensor, spec)  # type: ignore[no-any-return]
 
 
