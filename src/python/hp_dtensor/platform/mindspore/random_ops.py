@@ -39,6 +39,7 @@ from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dispatch import random_op
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.mindspore.rng import Draw, draw_local
+from hp_dtensor.sharding.random_ops import MINDSPORE_REFUSED_RANDOM_OPS
 
 
 def _float_dtype(dtype: Any, op: str) -> Any:
@@ -132,16 +133,6 @@ def _normal_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return fill_(args[0], Draw.NORMAL, std, mean)
 
 
-# Random ops with no DTensor semantics here (and, for most, no CPU kernel in MindSpore 2.10).
-_REFUSED = (
-    "Bernoulli", "BernoulliExt", "InplaceBernoulliScalar", "InplaceBernoulliTensor", "Multinomial",
-    "MultinomialExt", "RandomShuffle", "RandomCategorical", "InplaceExponential", "InplaceRandom",
-    "RandIntLike", "LogNormalReverse", "UniformExt", "NormalTensorTensor", "NormalTensorFloat",
-    "NormalFloatTensor", "NormalFloatFloat", "DropoutExt", "DropoutGenMaskExt", "RandpermExt",
-    "StandardNormal", "UniformReal", "UniformInt", "Gamma", "RandomGamma", "Poisson", "RandomPoisson",
-)
-
-
 def _refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise NotImplementedError(
         f"random op {func.name} on a DTensor is not supported on MindSpore: drawn on each rank it would "
@@ -150,7 +141,7 @@ def _refuse(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     )
 
 
-random_op(*_REFUSED)(_refuse)
+random_op(*MINDSPORE_REFUSED_RANDOM_OPS)(_refuse)
 
 
 # ---------------------------------------------------------------- ops.rand_like / ops.randn_like

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from hp_dtensor.layout.shard_geometry import is_even
 from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
-from hp_dtensor.platform.torch.random_ops import RANDOM_OPS, run_random
+from hp_dtensor.platform.torch.random_ops import run_random
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.sharding.dispatch import (
     CachedCall,
@@ -35,6 +35,7 @@ from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor 
 from hp_dtensor.sharding.interceptors import push_interceptor as push_interceptor  # re-exported
 from hp_dtensor.sharding.op_call import Kernels, Rule, TensorInfo
 from hp_dtensor.sharding.op_tables import ATEN_RULES, FOREACH_RULES
+from hp_dtensor.sharding.random_ops import ATEN_RANDOM_OPS
 from hp_dtensor.sharding.strides import global_strides
 
 aten = torch.ops.aten
@@ -110,7 +111,7 @@ def _facts(func: Any) -> tuple[int, bool, bool, bool, Any]:
     facts = _op_facts.get(id(func))
     if facts is None:
         name = func._schema.name
-        kind = _FOREACH if name.startswith("aten::_foreach_") else _RANDOM if func in RANDOM_OPS else _NORMAL
+        kind = _FOREACH if name.startswith("aten::_foreach_") else _RANDOM if str(func) in ATEN_RANDOM_OPS else _NORMAL
         returns = func._schema.returns
         one_tensor = len(returns) == 1 and str(returns[0].type) == "Tensor"
         # The C++ op behind an OpOverload: calling it skips the overload's Python __call__; for the

@@ -26,25 +26,7 @@ from hp_dtensor.platform.torch.dtensor import DTensor, DTensorSpec
 from hp_dtensor.platform.torch.redistribute import redistribute_local
 from hp_dtensor.redistribute.executor import run_plan
 from hp_dtensor.redistribute.planner import plan_distribute
-
-aten = torch.ops.aten
-
-# Ops that overwrite their first argument with fresh draws (its values are not read).
-_FILL = {
-    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.exponential_.default,
-    aten.geometric_.default, aten.cauchy_.default, aten.log_normal_.default, aten.random_.default,
-    getattr(aten.random_, "from"), aten.random_.to,
-}
-# Ops that return fresh draws shaped like their first argument (its values are not read).
-_LIKE = {
-    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
-    aten.randint_like.low_dtype, aten.bernoulli.p,
-}
-# Ops whose draw depends on the values of their first argument (probabilities).
-_BY_VALUE = {aten.bernoulli.default, aten.bernoulli_.Tensor}
-_DROPOUT = {aten.native_dropout.default}
-
-RANDOM_OPS = frozenset(_FILL | _LIKE | _BY_VALUE | _DROPOUT)
+from hp_dtensor.sharding.random_ops import ATEN_RANDOM_OPS, RandomKind
 
 
 def _replicated(n: int) -> tuple[Placement, ...]:
@@ -79,45 +61,45 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rest = tuple(_whole(a, mesh) for a in args[1:])
     kw = {k: _whole(v, mesh) for k, v in kwargs.items()}
     ensure_synced(mesh)
-    if func in _FILL:
+    kind = ATEN_RANDOM_OPS[str(func)]
+    if kind is RandomKind.FILL:
         full = _stand_in(dt)
         func(full, *rest, **kw)
         dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
         return dt
-    if func in _LIKE:
+    if kind is RandomKind.LIKE:
         out_pl = partials_replicated(spec.placements)
         full = func(_stand_in(dt), *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
-    if func in _BY_VALUE:
+    if kind is RandomKind.BY_VALUE:
         probs = _whole(dt, mesh)
-        if func is aten.bernoulli_.Tensor:
+        if str(func) == "aten.bernoulli_.Tensor":
             full = torch.empty_like(probs).bernoulli_(*rest, **kw)
             dt._local_tensor.copy_(_shard_of(full, mesh, spec.placements))
             return dt
         out_pl = partials_replicated(spec.placements)
         full = func(probs, *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
-    if func in _DROPOUT:
-        p, train = rest[0], rest[1] if len(rest) > 1 else kw.get("train")
-        if not train:
-            # No draw: the op is the identity with an all-true mask.
-            out, mask = func(dt._local_tensor, *rest, **kw)
-            mask_pl = partials_replicated(spec.placements)
-            return (
-                DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
-                DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
-            )
-        _, full_mask = func(_stand_in(dt), *rest, **kw)
+    # the one kind left: RandomKind.DROPOUT
+    p, train = rest[0], rest[1] if len(rest) > 1 else kw.get("train")
+    if not train:
+        # No draw: the op is the identity with an all-true mask.
+        out, mask = func(dt._local_tensor, *rest, **kw)
         mask_pl = partials_replicated(spec.placements)
-        mask = _shard_of(full_mask, mesh, mask_pl)
-        scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
-        # The same arithmetic as the op itself, so the result is bit-equal to one process.
-        out = dt._local_tensor.mul(mask).mul_(scale)
         return (
             DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
             DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
         )
-    raise AssertionError(f"{func} is not a random op")  # pragma: no cover - guarded by RANDOM_OPS
+    _, full_mask = func(_stand_in(dt), *rest, **kw)
+    mask_pl = partials_replicated(spec.placements)
+    mask = _shard_of(full_mask, mesh, mask_pl)
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    # The same arithmetic as the op itself, so the result is bit-equal to one process.
+    out = dt._local_tensor.mul(mask).mul_(scale)
+    return (
+        DTensor(out, DTensorSpec(mesh, spec.placements, spec.shape)),
+        DTensor(mask, DTensorSpec(mesh, mask_pl, spec.shape)),
+    )
 
 
 class _TorchRNG:
@@ -145,4 +127,4 @@ class _TorchRNG:
 
 RNG = _TorchRNG()
 
-__all__ = ["RANDOM_OPS", "RNG", "run_random"]
+__all__ = ["RNG", "run_random"]
