@@ -505,7 +505,7 @@ def _dropout_cases(rank, world):
     from mindspore import Tensor, nn, ops
 
     from hp_dtensor import DTensor, Replicate, Shard, init_device_mesh
-    from hp_dtensor.platform.mindspore import rng
+    from hp_dtensor.api import random_stream
 
     ms.set_seed(100 + rank)
     mesh = init_device_mesh("cpu", (2, 2))
@@ -513,13 +513,13 @@ def _dropout_cases(rank, world):
     G = np.random.RandomState(13).randn(8, 8).astype(np.float32)
     coord = mesh.get_coordinate()
     rep = DTensor.from_local(Tensor(A), mesh, [Replicate(), Replicate()])
-    rng.manual_seed(1234)
+    random_stream.manual_seed(1234)
     y_rep = ops.dropout(rep, p=0.25).to_local().asnumpy()
     drop = nn.Dropout(p=0.5)
     drop.set_train(True)
     y_cell = drop(rep).to_local().asnumpy()
     # the same draw on a sharded tensor is the matching slice of the replicated one
-    rng.manual_seed(1234)
+    random_stream.manual_seed(1234)
     sh = DTensor.from_local(Tensor(slice_of(A, (Shard(0), Shard(1)), (2, 2), coord)), mesh, [Shard(0), Shard(1)])
     y_sh = ops.dropout(sh, p=0.25).full_tensor().asnumpy()
 
@@ -527,7 +527,7 @@ def _dropout_cases(rank, world):
         x = DTensor.from_local(xl, mesh, [Replicate(), Replicate()])
         return (ops.dropout(x, p=0.25).full_tensor() * Tensor(G)).sum()
 
-    rng.manual_seed(1234)
+    random_stream.manual_seed(1234)
     grad = ms.grad(loss)(Tensor(A)).asnumpy()
     return y_rep, y_cell, y_sh, grad
 
@@ -552,7 +552,7 @@ def _manual_seed_cases(rank, world, case):
     from mindspore import Tensor, ops
 
     from hp_dtensor import DTensor, Replicate, init_device_mesh, manual_seed
-    from hp_dtensor.platform.mindspore import rng
+    from hp_dtensor.api import random_stream
 
     mesh = init_device_mesh("cpu", (2, 2))
     if case == "different":
@@ -562,7 +562,7 @@ def _manual_seed_cases(rank, world, case):
     rep = DTensor.from_local(Tensor(A), mesh, [Replicate(), Replicate()])
     manual_seed(2**64 - 5, mesh)
     via_api = ops.dropout(rep, p=0.5).to_local().asnumpy()
-    rng.manual_seed(2**64 - 5)
+    random_stream.manual_seed(2**64 - 5)
     via_stream = ops.dropout(rep, p=0.5).to_local().asnumpy()
     return via_api, via_stream
 
@@ -640,8 +640,8 @@ def _random_cases(rank, world, shapes):
     from mindspore import Tensor
 
     from hp_dtensor import DTensor, init_device_mesh
+    from hp_dtensor.api import random_stream
     from hp_dtensor.layout.shard_geometry import local_shape_and_offset as geom
-    from hp_dtensor.platform.mindspore import rng
 
     ms.set_seed(100 + rank)
     np.random.seed(100 + rank)
@@ -659,7 +659,7 @@ def _random_cases(rank, world, shapes):
                 lshape, start = geom(shape, (2, 2), pl, coord)
                 local = A[tuple(slice(o, o + n) for o, n in zip(start, lshape))]
             for name in RANDOM_OPS:
-                rng.manual_seed(77)
+                random_stream.manual_seed(77)
                 x = DTensor.from_local(Tensor(np.ascontiguousarray(local)), mesh, pl, shape=shape)
                 r = _random_op(name, x)
                 want_pl = pl if name.startswith(("uniform_", "normal_", "mint dropout")) else tuple(
@@ -677,13 +677,13 @@ def _one_process_random(shapes):
     from mindspore import Tensor
 
     from hp_dtensor import DTensor, Replicate, init_device_mesh
-    from hp_dtensor.platform.mindspore import rng
+    from hp_dtensor.api import random_stream
 
     mesh = init_device_mesh("cpu", (1,))
     ref = {}
     for shape in shapes:
         for name in RANDOM_OPS:
-            rng.manual_seed(77)
+            random_stream.manual_seed(77)
             x = DTensor.from_local(Tensor(_random_input(shape)), mesh, [Replicate()])
             r = _random_op(name, x)
             ref[(shape, name)] = (str(r.dtype), r.to_local().astype(ms.float32).asnumpy())

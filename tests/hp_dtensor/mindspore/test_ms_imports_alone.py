@@ -21,7 +21,7 @@ def test_each_backend_module_imports_alone() -> None:
     found = import_each_alone(names, preload=("mindspore",), env=env, timeout_s=180)
     failures = [f"{name}:\n{err[-2000:]}" for name, err in found.items()]
     print(f"modules imported alone: {len(names)}, failed: {len(failures)}")
-    assert len(names) > 10 and failures == [], "\n".join(failures)
+    assert len(names) >= 10 and failures == [], "\n".join(failures)
 
 
 def test_no_import_cycles_in_the_backend() -> None:

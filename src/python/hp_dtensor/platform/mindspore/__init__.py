@@ -4,7 +4,6 @@ from typing import TYPE_CHECKING
 
 from hp_dtensor.platform.mindspore import dtensor as _dtensor
 from hp_dtensor.platform.mindspore import kernels as _kernels  # noqa: F401  (the local kernels rules name)
-from hp_dtensor.platform.mindspore import random_ops as _random_ops  # noqa: F401  (and the random ops)
 from hp_dtensor.platform.mindspore.collectives import COLLECTIVES
 from hp_dtensor.platform.mindspore.dispatch import dispatch as _dispatch
 from hp_dtensor.platform.mindspore.dispatch import install_interceptors
@@ -51,7 +50,7 @@ from hp_dtensor.platform.mindspore.process_group import (
     serve_scheduler,
     world_generation,
 )
-from hp_dtensor.platform.mindspore.rng import RNG
+from hp_dtensor.platform.mindspore.random_ops import RNG  # (importing it installs the random ops)
 
 _dtensor.install_dispatch(_dispatch)
 install_interceptors()

@@ -14,10 +14,10 @@ import mindspore as ms
 from mindspore import Tensor, mint, ops
 from mindspore._c_expression import NoFallbackGuard
 
+from hp_dtensor.api.random_stream import uniform_local
 from hp_dtensor.layout.shard_geometry import global_shape
 from hp_dtensor.placement_types import Replicate, Shard
 from hp_dtensor.platform.mindspore import collectives as C
-from hp_dtensor.platform.mindspore import rng
 from hp_dtensor.platform.mindspore.dispatch import kernel
 from hp_dtensor.redistribute.executor import reduce_over
 from hp_dtensor.sharding.embedding import vocab_start
@@ -33,7 +33,7 @@ def _dropout_kernel(mesh: Any, decision: Decision, *args: Any) -> tuple[Tensor, 
     out_pl = decision.outputs[0]
     assert out_pl is not None
     gshape = decision.out_shape or global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
-    u = Tensor(rng.uniform_local(mesh, gshape, out_pl))
+    u = Tensor(uniform_local(mesh, gshape, out_pl))
     mask = (u < keep).astype(x.dtype)
     return x * mask * (1.0 / keep), mask
 
@@ -48,7 +48,7 @@ def _func_dropout_kernel(mesh: Any, decision: Decision, x: Any, p: Any = 0.5, tr
     out_pl = decision.outputs[0]
     assert out_pl is not None
     gshape = decision.out_shape or global_shape(tuple(Tensor.shape.fget(x)), mesh.shape, out_pl)
-    mask = (Tensor(rng.uniform_local(mesh, gshape, out_pl)) < keep).astype(x.dtype)
+    mask = (Tensor(uniform_local(mesh, gshape, out_pl)) < keep).astype(x.dtype)
     return x * mask * (1.0 / keep) if keep > 0 else x * mask
 
 

@@ -1,8 +1,8 @@
 """Random MindSpore ops on DTensors: draw from the job-wide stream, keep this rank's slice.
 
-The stream (``rng.py``) makes a replicated result identical on every rank and a sharded result
-the matching slice of the one draw of the global tensor.  MindSpore reaches these ops in three
-ways, each closed here:
+The job-wide stream (``hp_dtensor.api.random_stream``) makes a replicated result identical on
+every rank and a sharded result the matching slice of the one draw of the global tensor.
+MindSpore reaches these ops in three ways, each closed here:
 
 * ops that report to ``__fallback__`` (``mint.rand_like``, ``mint.randn_like``,
   ``Tensor.uniform_``, ``Tensor.normal_``) run the handlers below instead of the local kernel;
@@ -34,11 +34,11 @@ import mindspore as ms
 import numpy as np
 from mindspore._c_expression import NoFallbackGuard
 
+from hp_dtensor.api.random_stream import Draw, agreed_seed, draw_local, manual_seed
 from hp_dtensor.placement_types import Partial, partials_replicated
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dispatch import random_op
 from hp_dtensor.platform.mindspore.dtensor import DTensor, DTensorSpec
-from hp_dtensor.platform.mindspore.rng import Draw, draw_local
 from hp_dtensor.sharding.random_ops import MINDSPORE_REFUSED_RANDOM_OPS
 
 
@@ -184,4 +184,24 @@ def install() -> None:
 
 install()
 
-__all__ = ["fill_", "install", "like", "rand_like", "randn_like"]
+
+class _MindSporeRNG:
+    """MindSpore's ``RNGPrimitives`` (see ``hp_dtensor.api.rng_tracker``): the seed is the job-wide
+    stream's, exchanged over mccl, so ``hp_dtensor.manual_seed(seed, mesh)`` seeds it and checks
+    that every rank passed the same seed."""
+
+    @staticmethod
+    def set_seed(seed: int) -> None:
+        manual_seed(seed)
+
+    @staticmethod
+    def broadcast_rng_state(mesh: Any) -> bool:
+        # The stream's seed is agreed at first use (rank 0 picks it); a rank's own generator
+        # state never enters a DTensor draw, so nothing on this rank changes.
+        agreed_seed()
+        return False
+
+
+RNG = _MindSporeRNG()
+
+__all__ = ["RNG", "fill_", "install", "like", "rand_like", "randn_like"]
