@@ -37,6 +37,17 @@ def test_every_aten_name_is_an_op_of_this_torch() -> None:
     assert len(ATEN_RULES) >= 245 and len(MINDSPORE_RULES) >= 117
 
 
+def test_every_random_op_name_is_an_op_of_this_torch() -> None:
+    """A misspelt name would let that op run shard by shard, each rank drawing its own values."""
+    from hp_dtensor.platform.torch.dispatch import _RANDOM, _facts
+    from hp_dtensor.sharding.random_ops import ATEN_RANDOM_OPS
+
+    for name in ATEN_RANDOM_OPS:
+        op = _overload(name)
+        assert str(op) == name and _facts(op)[0] == _RANDOM, name
+    assert len(ATEN_RANDOM_OPS) == 18
+
+
 def test_foreach_ops_take_their_base_ops_rule() -> None:
     aten = torch.ops.aten
     assert _find_rule(aten._foreach_add_.List) is FOREACH_RULES["add"]

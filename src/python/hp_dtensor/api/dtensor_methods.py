@@ -1,8 +1,7 @@
 """The DTensor API written once for every backend.
 
 A backend's ``DTensor`` class inherits ``DTensorMethods`` and supplies primitives only: how to
-check a layout against its dtype (``_check_placements``), how to run a differentiable layout change
-(``_redistribute``) and ``to_local``.  The argument rules of ``redistribute``, ``full_tensor``,
+run a differentiable layout change (``_redistribute``) and ``to_local``.  The argument rules of ``redistribute``, ``full_tensor``,
 ``from_local`` and ``distribute_tensor`` live here, so the same call fails the same way on torch
 and MindSpore, and ``distribute_tensor``'s layout is the plan from ``Replicate`` that the one plan
 walker runs (``redistribute_planner.plan_distribute``).
@@ -37,6 +36,7 @@ class DTensorMethods:
     """The framework-neutral half of a DTensor: its layout and the layout-changing API."""
 
     _spec: DTensorSpec
+    dtype: Any  # the framework tensor's own
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -73,9 +73,9 @@ class DTensorMethods:
         raise NotImplementedError
 
     def _check_placements(self, placements: tuple[Placement, ...]) -> None:
-        """Refuse ``placements`` this tensor's dtype cannot hold (``Partial('avg')`` on integers):
-        both frameworks name their dtypes alike (``torch.int64``, ``Int64``)."""
-        check_partial_dtype(placements, str(self.dtype))  # type: ignore[attr-defined]
+        """Refuse ``placements`` this tensor's dtype cannot hold (``Partial('avg')`` on integers);
+        the check reads both frameworks' dtype names (``torch.int64``, ``Int64``)."""
+        check_partial_dtype(placements, str(self.dtype))
 
     def _redistribute(self, dst: tuple[Placement, ...]) -> Self:
         """A new DTensor of this value laid out as ``dst`` (a differentiable layout change)."""

@@ -324,7 +324,7 @@ def checked_spec(
     return spec
 
 
-def from_local_spec(
+def spec_for_from_local(
     local_shape_: Sequence[int],
     dtype: str,
     data: Callable[[], DataBytes],

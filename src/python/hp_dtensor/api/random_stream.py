@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hp_dtensor.layout.shard_geometry import local_shape_and_offset
 from hp_dtensor.placement_types import Placement
 from hp_dtensor.platform import current
+
+if TYPE_CHECKING:
+    from hp_dtensor.device_mesh import DeviceMesh
 
 _state: dict[str, Any] = {"seed": None, "offset": 0}
 
@@ -52,7 +55,7 @@ class Draw(enum.Enum):
     NORMAL = "normal"  # mean 0, std 1
 
 
-def draw_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...],
+def draw_local(mesh: DeviceMesh, global_shape: tuple[int, ...], placements: tuple[Placement, ...],
                kind: Draw = Draw.UNIFORM) -> np.ndarray:
     """This rank's slice of the next draw of ``global_shape`` from the stream.
 
@@ -71,11 +74,12 @@ def draw_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Place
     else:
         full = gen.standard_normal(global_shape, dtype=np.float32)
     coord = mesh.get_coordinate()
+    assert coord is not None, "this rank is not part of the mesh"
     shape, start = local_shape_and_offset(global_shape, mesh.shape, placements, coord)
     index = tuple(slice(o, o + n) for o, n in zip(start, shape))
     return np.require(full[index], requirements="C")
 
 
-def uniform_local(mesh: Any, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:
+def uniform_local(mesh: DeviceMesh, global_shape: tuple[int, ...], placements: tuple[Placement, ...]) -> np.ndarray:
     """Uniform [0, 1) float32 values of the next draw of ``global_shape``, this rank's slice."""
     return draw_local(mesh, global_shape, placements, Draw.UNIFORM)

@@ -1,9 +1,10 @@
 """Which ops draw random numbers, by the name each framework's dispatch reports.
 
-No sharding rule applies to a random op: drawn on each rank's shard, a replicated result would
-differ across ranks.  A DTensor runs such an op whole instead (every rank draws the global tensor
-from one stream and keeps its slice, see ``hp_dtensor.api.rng_tracker``), or refuses it; how each
-kind is drawn is the platform's.  The tables are plain data, beside the rule tables.
+A random op cannot run on each rank's shard as other ops do: drawn per rank, a replicated result
+would differ across ranks.  A DTensor runs such an op whole instead (every rank draws the global
+tensor and keeps its slice: ``hp_dtensor.api.rng_tracker`` on torch's generator,
+``hp_dtensor.api.random_stream`` on MindSpore), or refuses it; how each kind is drawn is the
+platform's.  The tables are plain data, beside the rule tables.
 """
 
 from __future__ import annotations
@@ -20,20 +21,26 @@ class RandomKind(enum.Enum):
     DROPOUT = "dropout"  # a mask drawn like it, applied to its values
 
 
-def _named(kind: RandomKind, names: str) -> dict[str, RandomKind]:
-    return {f"aten.{name}": kind for name in names.split()}
+def _by_name(*kinds: tuple[RandomKind, str]) -> dict[str, RandomKind]:
+    """``{"aten.<name>": kind}`` for each kind's whitespace-separated names; a name given two
+    kinds is an error at import."""
+    table: dict[str, RandomKind] = {}
+    for kind, names in kinds:
+        for name in names.split():
+            if f"aten.{name}" in table:
+                raise ValueError(f"random op aten.{name} is listed as {table[f'aten.{name}']} and {kind}")
+            table[f"aten.{name}"] = kind
+    return table
 
 
 # torch's random aten ops (``str(op)``) and how each draws.
-ATEN_RANDOM_OPS: dict[str, RandomKind] = {
-    **_named(RandomKind.FILL, "normal_.default uniform_.default bernoulli_.float exponential_.default "
-                              "geometric_.default cauchy_.default log_normal_.default random_.default "
-                              "random_.from random_.to"),
-    **_named(RandomKind.LIKE, "rand_like.default randn_like.default randint_like.default "
-                              "randint_like.low_dtype bernoulli.p"),
-    **_named(RandomKind.BY_VALUE, "bernoulli.default bernoulli_.Tensor"),
-    **_named(RandomKind.DROPOUT, "native_dropout.default"),
-}
+ATEN_RANDOM_OPS = _by_name(
+    (RandomKind.FILL, "normal_.default uniform_.default bernoulli_.float exponential_.default geometric_.default "
+                      "cauchy_.default log_normal_.default random_.default random_.from random_.to"),
+    (RandomKind.LIKE, "rand_like.default randn_like.default randint_like.default randint_like.low_dtype bernoulli.p"),
+    (RandomKind.BY_VALUE, "bernoulli.default bernoulli_.Tensor"),
+    (RandomKind.DROPOUT, "native_dropout.default"),
+)
 
 # MindSpore's random primitives that a DTensor refuses: no DTensor semantics here (and, for most,
 # no CPU kernel in MindSpore 2.10).  The ones it draws from its job-wide stream are the platform's.

@@ -208,7 +208,7 @@ class DTensor(GlobalValueMethods, Tensor):  # type: ignore[misc]
             raise ValueError("from_local got a DTensor; pass its .to_local() or use .redistribute()")
         if not isinstance(local_tensor, Tensor):
             raise TypeError(f"from_local expects a mindspore.Tensor, got {type(local_tensor).__name__}")
-        spec = from_local_check.from_local_spec(
+        spec = from_local_check.spec_for_from_local(
             tuple(Tensor.shape.fget(local_tensor)), str(local_tensor.dtype), lambda: _data_bytes(local_tensor), mesh,
             placements, shape, stride, run_check, C.COLLECTIVES,
         )

@@ -133,7 +133,7 @@ class DTensor(DTensorMethods, torch.Tensor):
         placements, ``shape``, a digest of the data's bytes) and raises the same ``ValueError`` on
         every rank, naming each rank's value, when they do not describe one DTensor -- including
         ``Replicate`` shards that are not bit-identical (see ``hp_dtensor.api.from_local_check``)."""
-        spec = from_local_check.from_local_spec(
+        spec = from_local_check.spec_for_from_local(
             local_tensor.shape, str(local_tensor.dtype), lambda: _data_bytes(local_tensor),
             resolve_mesh(device_mesh, "from_local"), placements, shape, stride, run_check, C.COLLECTIVES,
         )

@@ -1,9 +1,10 @@
 """Random aten ops on DTensors: draw the global tensor, keep this rank's shard.
 
 The policy (why every rank draws the global tensor, when generator states are synchronised) is
-in ``hp_dtensor.api.rng_tracker``; this module is torch's half: which aten ops draw random numbers,
-how each one's global draw is made from a stand-in of the global shape, and the generator
-primitives the tracker needs.
+in ``hp_dtensor.api.rng_tracker``, and which aten ops draw random numbers (and how each uses its
+first argument) is ``hp_dtensor.sharding.random_ops``; this module is torch's half: how each kind's
+global draw is made from a stand-in of the global shape, and the generator primitives the tracker
+needs.
 
 Placements of the result: an in-place op keeps its tensor's placements (on a ``Partial("sum")``
 mesh dim the drawn values are kept on coordinate 0 and zeros elsewhere, so the sum is the draw);
@@ -80,7 +81,8 @@ def run_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out_pl = partials_replicated(spec.placements)
         full = func(probs, *rest, **kw)
         return DTensor(_shard_of(full, mesh, out_pl), DTensorSpec(mesh, out_pl, spec.shape))
-    # the one kind left: RandomKind.DROPOUT
+    if kind is not RandomKind.DROPOUT:
+        raise AssertionError(f"{func}: no draw for random-op kind {kind}")  # pragma: no cover - a new kind
     p, train = rest[0], rest[1] if len(rest) > 1 else kw.get("train")
     if not train:
         # No draw: the op is the identity with an all-true mask.
