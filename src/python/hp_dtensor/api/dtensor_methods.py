@@ -1,9 +1,9 @@
 """The DTensor API written once for every backend.
 
 A backend's ``DTensor`` class inherits ``DTensorMethods`` and supplies primitives only: how to
-run a differentiable layout change (``_redistribute``) and ``to_local``.  The argument rules of ``redistribute``, ``full_tensor``,
-``from_local`` and ``distribute_tensor`` live here, so the same call fails the same way on torch
-and MindSpore, and ``distribute_tensor``'s layout is the plan from ``Replicate`` that the one plan
+run a differentiable layout change (``_redistribute``) and ``to_local``.  The argument rules of
+``redistribute``, ``full_tensor``, ``from_local`` and ``distribute_tensor`` live here, so the same
+call fails the same way on torch and MindSpore, and ``distribute_tensor``'s layout is the plan from ``Replicate`` that the one plan
 walker runs (``redistribute_planner.plan_distribute``).
 """
 

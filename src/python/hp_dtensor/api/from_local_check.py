@@ -17,7 +17,7 @@ different bit patterns) is reported: ops that see the sign of zero (``1 / x``, `
 placements hold a ``Replicate`` (every rank agrees on that before the data are compared).
 
 A backend supplies primitives only: the local shape, its dtype's name, the bytes of the values and
-its collectives (``checked_spec``).
+its collectives (``spec_for_from_local``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from hp_dtensor.layout.dtensor_spec import DTensorSpec
 
 # The bytes of a tensor's values, row-major and contiguous (a numpy array's or a memoryview's
-# buffer serves): what a backend hands to ``checked_spec``.
+# buffer serves): what a backend hands to ``spec_for_from_local``.
 DataBytes = bytes | bytearray | memoryview
 
 MAX_NDIM = 16  # dims shown in messages; a crc of the whole shape is compared
@@ -283,7 +283,7 @@ def verify(rows: Sequence[Sequence[int]], layout: MeshLayout) -> None:
                 )
 
 
-def checked_spec(
+def spec_for_from_local(
     local_shape_: Sequence[int],
     dtype: str,
     data: Callable[[], DataBytes],
@@ -291,14 +291,18 @@ def checked_spec(
     placements: Sequence[Placement] | Placement | None,
     shape: Sequence[int] | None,
     stride: Sequence[int] | None,
+    run_check: bool,
     collectives: Collectives,
 ) -> DTensorSpec:
-    """``from_local(run_check=True)``: the spec ``from_local_checked`` gives, once every rank of
-    the mesh has exchanged its record and agreed.  ``data()`` returns the bytes of this rank's
+    """``from_local``'s spec: without ``run_check`` from this rank's arguments alone
+    (``from_local_checked``); with it, the same spec once every rank of the mesh has exchanged its
+    record and agreed.  ``data()`` returns the bytes of this rank's
     values (row-major); it is called only when the placements hold a ``Replicate``.  Every rank
     raises the same ``ValueError`` when the ranks disagree; a rank whose own arguments were wrong
     raises it with its own error chained as the cause.  Ranks outside the mesh take no part in the
     mesh's collectives and only check their own arguments."""
+    if not run_check:
+        return from_local_checked(local_shape_, dtype, mesh, placements, shape, stride)
     error: Exception | None = None
     spec: DTensorSpec | None = None
     try:
@@ -323,20 +327,3 @@ def checked_spec(
     assert spec is not None
     return spec
 
-
-def spec_for_from_local(
-    local_shape_: Sequence[int],
-    dtype: str,
-    data: Callable[[], DataBytes],
-    mesh: DeviceMesh,
-    placements: Sequence[Placement] | Placement | None,
-    shape: Sequence[int] | None,
-    stride: Sequence[int] | None,
-    run_check: bool,
-    collectives: Collectives,
-) -> DTensorSpec:
-    """``from_local``'s spec: agreed by every rank of the mesh with ``run_check``
-    (``checked_spec``), else from this rank's arguments alone (``from_local_checked``)."""
-    if run_check:
-        return checked_spec(local_shape_, dtype, data, mesh, placements, shape, stride, collectives)
-    return from_local_checked(local_shape_, dtype, mesh, placements, shape, stride)

@@ -26,10 +26,10 @@ def _by_name(*kinds: tuple[RandomKind, str]) -> dict[str, RandomKind]:
     kinds is an error at import."""
     table: dict[str, RandomKind] = {}
     for kind, names in kinds:
-        for name in names.split():
-            if f"aten.{name}" in table:
-                raise ValueError(f"random op aten.{name} is listed as {table[f'aten.{name}']} and {kind}")
-            table[f"aten.{name}"] = kind
+        for name in (f"aten.{n}" for n in names.split()):
+            if name in table:
+                raise ValueError(f"random op {name} is listed as {table[name]} and {kind}")
+            table[name] = kind
     return table
 
 
