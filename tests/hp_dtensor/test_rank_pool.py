@@ -213,6 +213,23 @@ def test_a_rank_that_dies_fails_the_case_and_the_pool_restarts() -> None:
     assert pool.restarts == 1 and set(again).isdisjoint(first)
 
 
+def _die_on_rank_1_while_rank_0_is_slow(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os._exit(3)
+    time.sleep(rank_pool_module._GRACE_S + 1.0)  # a healthy rank that misses the grace period
+    return rank
+
+
+def test_a_death_is_named_even_when_a_healthy_rank_is_cut_off() -> None:
+    # On a loaded machine a surviving rank may not report within the grace period; the summary
+    # still names the rank that died, and the survivor gets its own section.
+    pool = shared_pool(2, env={"HP_RANK_POOL_TEST": "dies-slow"})
+    with pytest.raises(RankError, match=r"(?s)raised on ranks \[1\] \(ranks \[1\] died; pool restarted\)"
+                       r".*exit code 3.*--- rank 0 ---\nno result 3 s after ranks \[1\] failed"):
+        pool.run(_die_on_rank_1_while_rank_0_is_slow)
+    assert pool.restarts == 1
+
+
 def test_shared_ranks_out_of_step_are_not_handed_on() -> None:
     import signal
 

@@ -330,10 +330,19 @@ class RankPool:
             self.close(force=True)
             self.restarts += 1
         if failed:
-            detail = "\n".join(f"--- rank {r} ---\n{got[r][1]}" for r in failed)
-            extra = f" (ranks {missing} did not finish; pool restarted)" if missing else ""
-            extra += f" (ranks {dead} died; pool restarted)" if dead and not missing else ""
-            raise RankError(f"{name} raised on ranks {failed}{extra}\n{detail}")
+            # The summary names the cause: a rank that died explains every other rank's missing
+            # result (a healthy rank on a loaded machine may also just miss the grace period), so
+            # deaths come first; ranks cut off without a death are named when nothing died.
+            sections = [f"--- rank {r} ---\n{got[r][1]}" for r in failed]
+            sections += [f"--- rank {r} ---\nno result {_GRACE_S:.0f} s after ranks {failed} failed (waiting on them "
+                         f"in a collective, or slow); stopped with the pool" for r in missing]
+            if dead:
+                extra = f" (ranks {dead} died; pool restarted)"
+            elif missing:
+                extra = f" (ranks {missing} did not finish; pool restarted)"
+            else:
+                extra = ""
+            raise RankError(f"{name} raised on ranks {failed}{extra}\n" + "\n".join(sections))
         if missing:
             raise RankTimeout(
                 f"{name} did not finish within {limit:.0f} s on ranks {missing}; the pool was restarted"
