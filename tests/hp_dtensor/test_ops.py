@@ -182,23 +182,38 @@ def _optimizers(rank: int, world: int, foreach: bool) -> bool:
         mod = model.get_submodule(name.rsplit(".", 1)[0])
         setattr(mod, name.rsplit(".", 1)[1],
                 torch.nn.Parameter(distribute_tensor(p.data, mesh, [layout[name]], src_data_rank=None)))
+    # a plain head after the sharded layers, as in a model parallelized in part: its parameters
+    # share the optimizer's lists with DTensors (one foreach call steps both kinds)
+    head, ref_head = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    ref_head.load_state_dict(head.state_dict())
     for opt_cls in (torch.optim.SGD, torch.optim.AdamW):
         kw = {"lr": 0.05, "foreach": foreach}
         if opt_cls is torch.optim.SGD:
             kw["momentum"] = 0.9
-        opt, ref_opt = opt_cls(model.parameters(), **kw), opt_cls(ref.parameters(), **kw)
+        opt = opt_cls([*model.parameters(), *head.parameters()], **kw)
+        ref_opt = opt_cls([*ref.parameters(), *ref_head.parameters()], **kw)
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
             dx = distribute_tensor(x, mesh, [Replicate()], src_data_rank=None)
             opt.zero_grad()
             ref_opt.zero_grad()
-            model(dx).full_tensor().pow(2).sum().backward()
-            ref(x).pow(2).sum().backward()
+            head(model(dx).full_tensor()).pow(2).sum().backward()
+            ref_head(ref(x)).pow(2).sum().backward()
             opt.step()
             ref_opt.step()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.placements == (layout[n],), (n, p.placements)
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-4, atol=1e-5)
+    for p, q in zip(head.parameters(), ref_head.parameters()):
+        assert type(p) is torch.nn.Parameter, type(p)  # still plain
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # a plain tensor and a DTensor at one list position are one computation: refused, as unlisted
+    try:
+        torch._foreach_add_([next(iter(model.parameters())).detach()], [torch.ones(16, 8)])
+    except RuntimeError as e:
+        assert "got a mix of torch.Tensor (shape (16, 8)) and DTensor arguments" in str(e), e
+    else:
+        raise AssertionError("a plain tensor beside a DTensor at one foreach position was accepted")
     return True
 
 

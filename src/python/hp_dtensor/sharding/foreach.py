@@ -1,9 +1,10 @@
 """Foreach ops (``_foreach_add_``, what an optimizer step issues) on lists of DTensors.
 
-When every list entry at each position is a DTensor of one layout with no ``Partial`` (what an
-optimizer step passes) and the op is pointwise, the rule would keep every layout and move
-nothing: the op runs as one local foreach call on the shards.  Otherwise it runs element by
-element through the same rules, one list entry at a time.
+When every list entry at each position is a DTensor of one layout with no ``Partial``, or every
+entry at a position is a plain tensor (what an optimizer step passes), and the op is pointwise,
+the rule would keep every layout and move nothing: the op runs as one local foreach call on the
+shards.  Otherwise it runs element by element through the same rules, one list entry at a time
+(an entry without a DTensor as a plain call).
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ def list_length(args: tuple[Any, ...]) -> int:
 
 
 def local_foreach_args(
-    args: tuple[Any, ...], n: int, dtensor_type: Any, local_of: Callable[[Any], Any]
+    args: tuple[Any, ...], n: int, dtensor_type: Any, tensor_type: Any, local_of: Callable[[Any], Any]
 ) -> tuple[tuple[Any, ...], list[Any]] | None:
     """``(local args, the spec of each list position)`` when the call may run as one local foreach
-    call, else None: the entries at each position are DTensors of one spec without ``Partial``, or
-    numbers (a plain tensor in a list, or a DTensor outside a list, goes through the rules)."""
+    call, else None.  The entries at each position are DTensors of one spec without ``Partial``,
+    or numbers, or (a position without a DTensor) plain tensors, whose spec is None: each position
+    is a computation of its own, so a plain parameter beside sharded ones (a model parallelized in
+    part) steps as it would without them.  A plain tensor beside a DTensor at one position, or a
+    DTensor outside a list, goes through the rules."""
     lists = [a for a in args if isinstance(a, (list, tuple)) and len(a) == n]
     specs: list[Any] = []
     for i in range(n):
         spec = None
+        plain = False
         for lst in lists:
             x = lst[i]
             if isinstance(x, dtensor_type):
@@ -39,9 +44,13 @@ def local_foreach_args(
                     spec = x._spec
                 elif x._spec != spec:
                     return None
+            elif isinstance(x, tensor_type):
+                plain = True
             elif not isinstance(x, (int, float)):
                 return None
-        if spec is None or any(isinstance(p, Partial) for p in spec.placements):
+        if spec is None and not plain:
+            return None
+        if spec is not None and (plain or any(isinstance(p, Partial) for p in spec.placements)):
             return None
         specs.append(spec)
     local_args = tuple(
@@ -52,6 +61,14 @@ def local_foreach_args(
     if any(isinstance(a, dtensor_type) for a in local_args):  # a DTensor scalar operand
         return None
     return local_args, specs
+
+
+def holds_dtensor(args: tuple[Any, ...], dtensor_type: Any) -> bool:
+    """Whether a one-entry call has a DTensor argument (one without runs as a plain call)."""
+    return any(
+        isinstance(a, dtensor_type) or (isinstance(a, (list, tuple)) and any(isinstance(x, dtensor_type) for x in a))
+        for a in args
+    )
 
 
 def one_entry_calls(args: tuple[Any, ...], n: int) -> Iterator[tuple[Any, ...]]:

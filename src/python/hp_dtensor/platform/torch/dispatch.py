@@ -28,7 +28,7 @@ from hp_dtensor.sharding.dispatch import (
     shared_mesh,
     wrap_leaves,
 )
-from hp_dtensor.sharding.foreach import list_length, local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.foreach import holds_dtensor, list_length, local_foreach_args, one_entry_calls
 from hp_dtensor.sharding.interceptors import INTERCEPTORS, intercepting
 from hp_dtensor.sharding.interceptors import OpInterceptor as OpInterceptor  # re-exported
 from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor  # re-exported
@@ -377,14 +377,15 @@ def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     n = list_length(args)
     local = None
     if not kwargs and _is_pointwise(func) and not intercepting():
-        local = local_foreach_args(args, n, DTensor, lambda x: x._local_tensor)
+        local = local_foreach_args(args, n, DTensor, torch.Tensor, lambda x: x._local_tensor)
     if local is not None:
         local_args, specs = local
         out = func(*local_args)
         if _is_inplace(func) or out is None:
             return None
-        return [DTensor(o, spec) for o, spec in zip(out, specs)]
-    results = [_dispatch_one(func, sub, kwargs) for sub in one_entry_calls(args, n)]
+        return [o if spec is None else DTensor(o, spec) for o, spec in zip(out, specs)]
+    results = [_dispatch_one(func, sub, kwargs) if holds_dtensor(sub, DTensor) else func(*sub, **kwargs)
+               for sub in one_entry_calls(args, n)]
     if _is_inplace(func) or results[0] is None:
         return None
     return [r[0] for r in results]
