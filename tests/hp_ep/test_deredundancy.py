@@ -204,7 +204,7 @@ def _model_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
                                      dispatcher=TokenDispatcher.ALLTOALL_DEREDUNDANCY, npu_nums_per_device=2)
     assert len(styles) == cfg.num_hidden_layers and all(isinstance(s, DeredundancyExpertParallel) for s in styles)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(seed + 1)
     seq, batch = 12, 2
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "cross": 0, "copies": 0}

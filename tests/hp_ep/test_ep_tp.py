@@ -53,7 +53,7 @@ def _ep_tp_case(rank: int, world: int, tp: int, ep: int, seed: int, fsdp: bool =
         apply_fsdp_qwen3_5_moe(model, dense["fsdp"], sparse["efsdp"])
     assert len(styles) == cfg.num_hidden_layers
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(seed + 1)
     seq, batch = 12, 2
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}

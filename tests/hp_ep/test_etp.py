@@ -45,7 +45,7 @@ def _etp_case(rank: int, world: int, tp: int, ep: int, seed: int) -> dict:
     # eps 1e-6: at tp=4 a few dense gradients are ~1e-8, where AdamW's default eps would turn fp32
     # rounding in the gradient into a full-size update
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=True)
     gen = torch.Generator().manual_seed(seed + 1)
     seq, batch = 12, 2
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}

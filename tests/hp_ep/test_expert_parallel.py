@@ -168,7 +168,7 @@ def _model_case(rank: int, world: int, seed: int) -> float:
     for layer in model.model.layers:
         parallelize_module(layer.mlp, mesh, {"experts": ExpertParallel()})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     gen = torch.Generator().manual_seed(seed + 1)
     n_local = cfg.num_experts // world
     worst = 0.0

@@ -133,7 +133,7 @@ def run_model_case(rank: int, world: int, case: ModelCase) -> dict:
         sp_warnings = [str(w.message) for w in caught]
     parallelize_qwen3_5_cp(model, cp)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -276,7 +276,7 @@ def run_fsdp_case(rank: int, world: int, case: ModelCase) -> dict:
     parallelize_qwen3_5_cp(model, cp)
     apply_fsdp_qwen3_5(model, fsdp, sum_gradients=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
 
     def rel(got, want) -> float:
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

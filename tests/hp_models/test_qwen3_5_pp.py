@@ -199,7 +199,7 @@ def _case(rank: int, world: int, layers: int, spec: Any, interleave: int, kind: 
         for n, p in s.module.named_parameters(remove_duplicate=False):
             params[n] = p
     unique = list({id(p): p for p in params.values()}.values())
-    opt = torch.optim.AdamW(unique, lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(unique, lr=LR, weight_decay=0.0, foreach=True)
     first, last = 0 in sched._stages, split.num_virtual - 1 in sched._stages
     out: dict[str, Any] = {"losses": [], "worst_grad": 0.0, "worst_param": 0.0, "n_grads": 0}
     for step in range(STEPS):

@@ -120,7 +120,8 @@ def _case(rank: int, world: int, tp: int, dp: int, interleave: int, tie: bool, m
     for s in stages:
         for n, p in s.module.named_parameters(remove_duplicate=False):
             params[n] = p
-    opt = torch.optim.AdamW(list({id(p): p for p in params.values()}.values()), lr=LR, weight_decay=0.0)
+    unique = list({id(p): p for p in params.values()}.values())
+    opt = torch.optim.AdamW(unique, lr=LR, weight_decay=0.0, foreach=True)
     first, last = stages[0].is_first, stages[-1].is_last
     coord = mesh.get_coordinate()
     dp_rank, n_dp = coord[1] * dp + coord[2], replicas * dp
