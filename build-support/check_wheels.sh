@@ -75,6 +75,10 @@ PY
   "${root}/build-support/wheel_examples/tp_mlp.py" 2>&1 | grep -v -e '\*\*\*\*\*' -e OMP_NUM_THREADS -e '^W[0-9].*distributed/run.py') \
   || fail "the 2-rank TP example failed"
 
+# The venvs after the first are made without pip of their own (bootstrapping pip into a venv
+# took about 4 s each); the first venv's pip installs into them (pip --python).
+vpip() { local venv="$1"; shift; "${work}/torch/bin/pip" --python "${venv}/bin/python" "$@"; }
+
 # wheel_alone VENV EXPECTED WHAT EXAMPLE [EXAMPLE_ARG...] -- REQUIREMENT...
 # Installs the requirements alone in the fresh venv ${work}/VENV (torch, which every requirement
 # list pulls in through hp-dtensor[torch], is linked in from the first venv rather than unpacked
@@ -88,9 +92,9 @@ wheel_alone() {
   while [[ "$1" != "--" ]]; do example_args+=("$1"); shift; done
   shift
   stage "${expected//,/ + } alone"
-  python3.11 -m venv "${venv}"
+  python3.11 -m venv --without-pip "${venv}"
   "${work}/torch/bin/python" "${root}/build-support/seed_venv.py" torch "${venv}"
-  "${venv}/bin/pip" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
+  vpip "${venv}" install --quiet --find-links "file://${TORCH_FIND_LINKS}" --find-links "${root}/dist" \
     -c "${work}/torch-constraint.txt" "$@"
   "${venv}/bin/python" - "${expected}" <<'PY'
 import importlib.metadata as md
@@ -122,9 +126,9 @@ if ! ls "${cache}"/mindspore-"${MINDSPORE_VERSION}"-*.whl >/dev/null 2>&1; then
     -name "mindspore-${MINDSPORE_VERSION}-cp311-*.whl" 2>/dev/null | head -n 1 || true)"
   if [[ -n "${found}" ]]; then cp "${found}" "${cache}/"; fi
 fi
-python3.11 -m venv "${work}/ms"
+python3.11 -m venv --without-pip "${work}/ms"
 ms_install() {
-  "${work}/ms/bin/pip" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
+  vpip "${work}/ms" install --quiet --no-index --find-links "${cache}" --find-links "${root}/dist" \
     "$(whl hp_protocols)" "$(whl hp_tp)" "$(whl hp_dtensor)[mindspore]"
 }
 # The venv installs from the cache and the local wheels only; when the cache lacks something, it is
