@@ -214,6 +214,13 @@ def _optimizers(rank: int, world: int, foreach: bool) -> bool:
         assert "got a mix of torch.Tensor (shape (16, 8)) and DTensor arguments" in str(e), e
     else:
         raise AssertionError("a plain tensor beside a DTensor at one foreach position was accepted")
+    w = next(iter(model.parameters())).detach()
+    try:  # lists of unequal length: refused, naming the lengths (torch checks before dispatch)
+        torch._foreach_add_([w, w.clone()], [w])
+    except RuntimeError as e:
+        assert "must have the same number of tensors, got 2 and 1" in str(e), e
+    else:
+        raise AssertionError("foreach lists of unequal length were accepted")
     return True
 
 

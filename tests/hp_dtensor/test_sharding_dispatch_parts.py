@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from hp_dtensor.placement_types import Partial, Replicate, Shard
-from hp_dtensor.sharding.foreach import local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.foreach import holds_dtensor, list_length, local_foreach_args, one_entry_calls
 from hp_dtensor.sharding.interceptors import intercepting, pop_interceptor, push_interceptor
 from hp_dtensor.sharding.local_grads import GradLayout, grad_facts
 from hp_dtensor.sharding.local_updates import local_update_rule
@@ -101,16 +101,36 @@ class _Spec:
         self.placements = placements
 
 
+class _FakePlain:
+    """A plain tensor: the DTensor type's base, as ``torch.Tensor`` is."""
+
+
+class _FakeDTensor(_FakePlain, _FakeDT):
+    pass
+
+
 def test_foreach_runs_locally_only_for_one_layout_without_partial() -> None:
     spec = _Spec((S0,))
-    a, b = _FakeDT(spec, "a"), _FakeDT(spec, "b")
-    local = local_foreach_args(([a, b], [a, b], 2.0), 2, _FakeDT, lambda x: x.local)
-    assert local == ((["a", "b"], ["a", "b"], 2.0), [spec, spec])
-    other = _FakeDT(_Spec((R,)), "c")
-    assert local_foreach_args(([a, b], [other, b]), 2, _FakeDT, lambda x: x.local) is None
-    partial = _FakeDT(_Spec((PS,)), "p")
-    assert local_foreach_args(([partial],), 1, _FakeDT, lambda x: x.local) is None
+    a, b = _FakeDTensor(spec, "a"), _FakeDTensor(spec, "b")
+
+    def local(args: tuple[object, ...], n: int) -> object:
+        return local_foreach_args(args, n, _FakeDTensor, _FakePlain, lambda x: x.local)
+
+    assert local(([a, b], [a, b], 2.0), 2) == ((["a", "b"], ["a", "b"], 2.0), [spec, spec])
+    other = _FakeDTensor(_Spec((R,)), "c")
+    assert local(([a, b], [other, b]), 2) is None  # two layouts at one position
+    partial = _FakeDTensor(_Spec((PS,)), "p")
+    assert local(([partial],), 1) is None
+    # a position of plain tensors runs as it is (spec None); a plain tensor beside a DTensor at
+    # one position goes through the rules
+    plain, plain2 = _FakePlain(), _FakePlain()
+    assert local(([a, plain], [b, plain2], 0.5), 2) == ((["a", plain], ["b", plain2], 0.5), [spec, None])
+    assert local(([a, plain], [plain2, b]), 2) is None
     assert list(one_entry_calls(([a, b], 3.0), 2)) == [([a], 3.0), ([b], 3.0)]
+    assert holds_dtensor(([a], 3.0), _FakeDTensor) and not holds_dtensor(([plain], [plain2]), _FakeDTensor)
+    assert list_length("op", ([a, b], [a, b], 1.0)) == 2
+    with pytest.raises(RuntimeError, match=r"op: its tensor lists must have the same number of entries, got lengths \[2, 1\]"):
+        list_length("op", ([a, b], [a]))
 
 
 def test_interceptors_nest_and_refuse_out_of_order_pops() -> None:

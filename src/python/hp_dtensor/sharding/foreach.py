@@ -18,9 +18,16 @@ from hp_dtensor.sharding.pointwise import pointwise_family
 from hp_dtensor.sharding.reductions import foreach_norm_rule
 
 
-def list_length(args: tuple[Any, ...]) -> int:
-    """The length of the op's tensor lists (the first list or tuple argument)."""
-    return next(len(a) for a in args if isinstance(a, (list, tuple)))
+def list_length(op: Any, args: tuple[Any, ...]) -> int:
+    """The length of the op's lists; ``RuntimeError`` naming the lengths when they differ (as
+    torch's foreach kernels raise: entry ``i`` of every list is one computation)."""
+    lengths = [len(a) for a in args if isinstance(a, (list, tuple))]
+    if len(set(lengths)) > 1:
+        raise RuntimeError(
+            f"{op}: its tensor lists must have the same number of entries, got lengths {lengths}; "
+            f"pass one entry per tensor in every list"
+        )
+    return lengths[0]
 
 
 def local_foreach_args(

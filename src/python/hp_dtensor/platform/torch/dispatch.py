@@ -374,7 +374,7 @@ def _is_pointwise(func: Any) -> bool:
 def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Foreach ops run as one local call when every entry keeps its layout, else element by
     element through the same rules (``hp_dtensor.sharding.foreach``)."""
-    n = list_length(args)
+    n = list_length(func, args)
     local = None
     if not kwargs and _is_pointwise(func) and not intercepting():
         local = local_foreach_args(args, n, DTensor, torch.Tensor, lambda x: x._local_tensor)
@@ -386,6 +386,6 @@ def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return [o if spec is None else DTensor(o, spec) for o, spec in zip(out, specs)]
     results = [_dispatch_one(func, sub, kwargs) if holds_dtensor(sub, DTensor) else func(*sub, **kwargs)
                for sub in one_entry_calls(args, n)]
-    if _is_inplace(func) or results[0] is None:
+    if _is_inplace(func) or (results and results[0] is None):
         return None
     return [r[0] for r in results]
