@@ -1,4 +1,5 @@
-"""``get_total_norm`` and ``clip_grads`` on MindSpore, one process, against numpy in float64.
+"""``get_total_norm`` and ``clip_grads`` on MindSpore, one process, against numpy in float64,
+through both routes of the partial norms (numpy on the CPU target, MindSpore ops elsewhere).
 
 Generated cases (seeded, counted in the output): lists of gradients of random shapes (0-d,
 empty, uneven), each float dtype (bfloat16 included), every norm type ``clip_grad_norm_`` takes
@@ -12,9 +13,11 @@ import math
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import Tensor
 
 from hp_fsdp import clip_grads, get_total_norm
+from hp_fsdp.platform.mindspore import grad_norm as grad_norm_module
 
 DTYPES = [(ms.float32, np.float32), (ms.float16, np.float16), (ms.float64, np.float64), (ms.bfloat16, None)]
 NORMS = [2.0, 1.0, 0.0, 3.5, math.inf, -math.inf]
@@ -50,9 +53,13 @@ def _numpy_norm(arrays: list[np.ndarray], p: float) -> float:
     return float((v**p).sum() ** (1.0 / p))
 
 
-def test_total_norm_and_clip_equal_numpy() -> None:
+@pytest.mark.parametrize("target", ["CPU", "Ascend"])
+def test_total_norm_and_clip_equal_numpy(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The partial norms are taken by numpy where the gradients are in host memory (the CPU
+    # target) and by MindSpore ops on an accelerator: the latter route runs here on the CPU.
+    monkeypatch.setattr(grad_norm_module, "device_target", lambda: target)
     rng = np.random.default_rng(7)
-    cases = nonfinite = 0
+    cases = nonfinite = nan_norms = 0
     for _ in range(120):
         n = int(rng.integers(1, 5))
         grads = []
@@ -74,6 +81,7 @@ def test_total_norm_and_clip_equal_numpy() -> None:
         if math.isnan(want):
             assert math.isnan(float(got_v)), (p, got_v)
             nonfinite += 1
+            nan_norms += 1
         else:
             np.testing.assert_allclose(got_v, want_cast, rtol=1e-12 if widest == ms.float64 else 1e-6, atol=0,
                                        err_msg=f"p={p}")
@@ -93,5 +101,6 @@ def test_total_norm_and_clip_equal_numpy() -> None:
             want_c = _values(Tensor(exact).astype(g.dtype))
             np.testing.assert_array_equal(_values(c), want_c)
         cases += 1
-    print(f"\nget_total_norm / clip_grads on MindSpore vs numpy float64: {cases} cases "
-          f"({nonfinite} with a non-finite norm), norm types {NORMS}")
+    print(f"\nget_total_norm / clip_grads on MindSpore ({target} route) vs numpy float64: {cases} cases "
+          f"({nonfinite} with a non-finite norm, {nan_norms} NaN), norm types {NORMS}")
+    assert nan_norms > 0 and nonfinite > nan_norms  # the NaN and inf paths were taken

@@ -17,10 +17,11 @@ from typing import Any, NoReturn
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from hp_dtensor.platform.mindspore import collectives as C
 from hp_dtensor.platform.mindspore.dtensor import DTensor
+from hp_dtensor.platform.mindspore.world import device_target
 
 _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
@@ -30,11 +31,11 @@ def _identity(p: float) -> float:
     return math.inf if p == -math.inf else 0.0
 
 
-def _partial(t: Tensor, p: float) -> float:
+def _partial_host(t: Tensor, p: float) -> float:
     """One shard's contribution, in float64: ``sum |x|^p`` (``p == 0``: the nonzero count; +-inf:
-    the largest/smallest ``|x|``).  Computed by numpy on the shard's values: one copy out of the
-    runtime instead of five PyNative ops per gradient (a cast to float64 is exact for every
-    floating dtype; bfloat16, which numpy lacks, leaves through float32)."""
+    the largest/smallest ``|x|``), by numpy, for a shard in host memory (the CPU target): one copy
+    out of the runtime instead of five PyNative ops.  A cast to float64 is exact for every
+    floating dtype; bfloat16, which numpy lacks, leaves through float32."""
     x = C._plain(t)
     a = np.abs((x.astype(ms.float32) if x.dtype == ms.bfloat16 else x).asnumpy().astype(np.float64)).reshape(-1)
     if p == math.inf:
@@ -46,6 +47,21 @@ def _partial(t: Tensor, p: float) -> float:
     if p == 1:
         return float(a.sum())
     return float((a**p).sum())
+
+
+def _partial_device(t: Tensor, p: float) -> Tensor:
+    """``_partial_host``'s value computed where the shard is (an accelerator): only the 0-d
+    result leaves the device."""
+    a = ops.abs(C._plain(t).astype(ms.float64)).reshape((-1,))
+    if p == math.inf:
+        return a.max()
+    if p == -math.inf:
+        return a.min()
+    if p == 0:
+        return (a != 0).astype(ms.float64).sum()
+    if p == 1:
+        return a.sum()
+    return ops.pow(a, p).sum()
 
 
 class _MindSporeGradNorm:
@@ -87,8 +103,13 @@ class _MindSporeGradNorm:
     def partials(tensors: Sequence[Any], p: float, foreach: bool | None) -> Tensor:
         """One float64 value per tensor that sums (finite ``p``) or maxes/mins (+-inf) across the
         shards of one tensor; an empty shard gives the identity."""
-        values = [_partial(t, p) if math.prod(Tensor.shape.fget(t)) > 0 else _identity(p) for t in tensors]
-        return Tensor(np.array(values, dtype=np.float64))
+        if device_target() == "CPU":
+            values = [_partial_host(t, p) if math.prod(Tensor.shape.fget(t)) > 0 else _identity(p) for t in tensors]
+            return Tensor(np.array(values, dtype=np.float64))
+        return ops.stack([
+            _partial_device(t, p) if math.prod(Tensor.shape.fget(t)) > 0 else Tensor(_identity(p), ms.float64)
+            for t in tensors
+        ])
 
     @staticmethod
     def total(parts: Sequence[Tensor], p: float, tensors: Sequence[Any]) -> Tensor:
