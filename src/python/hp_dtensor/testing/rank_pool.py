@@ -325,27 +325,34 @@ class RankPool:
         got = self._collect(case_id, limit)
         failed = sorted(r for r, (ok, _) in got.items() if not ok)
         missing = sorted(set(range(self.world_size)) - set(got))
-        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
         if missing or dead:  # the next case gets whole, fresh ranks
             self.close(force=True)
             self.restarts += 1
+        died = sorted(dead)
         if failed:
             # The summary names the cause: a rank that died explains every other rank's missing
             # result (a healthy rank on a loaded machine may also just miss the grace period), so
             # deaths come first; ranks cut off without a death are named when nothing died.
             sections = [f"--- rank {r} ---\n{got[r][1]}" for r in failed]
-            sections += [f"--- rank {r} ---\nno result {_GRACE_S:.0f} s after ranks {failed} failed (waiting on them "
-                         f"in a collective, or slow); stopped with the pool" for r in missing]
-            if dead:
-                extra = f" (ranks {dead} died; pool restarted)"
+            sections += [
+                f"--- rank {r} ---\n"
+                + (f"rank {r} process died (exit code {dead[r]})" if r in dead else
+                   f"no result when the pool stopped waiting, after ranks {failed} failed (waiting on them in a "
+                   f"collective, or slow); stopped with the pool")
+                for r in missing
+            ]
+            if died:
+                extra = f" (ranks {died} died; pool restarted)"
             elif missing:
                 extra = f" (ranks {missing} did not finish; pool restarted)"
             else:
                 extra = ""
             raise RankError(f"{name} raised on ranks {failed}{extra}\n" + "\n".join(sections))
         if missing:
+            also = f" (ranks {died} died)" if died else ""
             raise RankTimeout(
-                f"{name} did not finish within {limit:.0f} s on ranks {missing}; the pool was restarted"
+                f"{name} did not finish within {limit:.0f} s on ranks {missing}{also}; the pool was restarted"
             )
         try:
             return [pickle.loads(got[r][1]) for r in range(self.world_size)]
