@@ -8,7 +8,8 @@ the requirement satisfied, at the pinned version), so what those venvs prove is 
 first-party distributions each package pulls in, and that its example runs.  Console scripts are
 copied with their first line pointed at the new venv's interpreter, so ``DEST_VENV/bin/torchrun``
 runs there.  Only requirements without an extra and whose markers hold are followed; anything the
-new venv already has (pip, setuptools) is left as it is.
+new venv already has is left as it is (``check_wheels.sh`` makes its venvs without pip and
+installs into them with the first venv's pip, so usually nothing).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ step set from the schedule (``lr_schedule``) before it steps.
 It is torch's foreach implementation, which torch picks by default only on accelerators: on a
 DTensor model each of its ops is one dispatch over every parameter's shard instead of one per
 parameter (10 steps of the tiny model at tp=2 x dp_shard=2 on CPU: 8% less CPU per rank), and
-it computes the for-loop implementation's numbers, bit for bit."""
+on CPU it computes the for-loop implementation's numbers, bit for bit (an accelerator's foreach
+kernels may round differently)."""
 
 from __future__ import annotations
 
