@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from hp_dtensor.placement_types import Partial, Replicate, Shard
-from hp_dtensor.sharding.foreach import holds_dtensor, list_length, local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.dispatch import holds_dtensor
+from hp_dtensor.sharding.foreach import list_length, local_foreach_args, one_entry_calls
 from hp_dtensor.sharding.interceptors import intercepting, pop_interceptor, push_interceptor
 from hp_dtensor.sharding.local_grads import GradLayout, grad_facts
 from hp_dtensor.sharding.local_updates import local_update_rule

@@ -326,20 +326,22 @@ def flatten_prim_args(args: tuple[Any, ...], dtensor_type: Any) -> tuple[list[An
         else:
             flat.append(a)
             parts.append(None)
-    if any(isinstance(x, _CONTAINERS) and _holds(x, dtensor_type) for x in flat):
+    if any(isinstance(x, _CONTAINERS) and holds_dtensor(x, dtensor_type) for x in flat):
         raise NotImplementedError(
             "a DTensor argument nested more than one list deep is not supported; pass it directly"
         )
     return flat, tuple(parts)
 
 
-def _holds(x: Any, dtensor_type: Any) -> bool:
+def holds_dtensor(x: Any, dtensor_type: Any) -> bool:
+    """Whether ``x`` is, or holds in its lists, tuples and dicts, a DTensor (a foreach op's
+    one-entry call without one runs as a plain call)."""
     if isinstance(x, dtensor_type):
         return True
     if isinstance(x, (list, tuple)):
-        return any(_holds(y, dtensor_type) for y in x)
+        return any(holds_dtensor(y, dtensor_type) for y in x)
     if isinstance(x, dict):
-        return any(_holds(y, dtensor_type) for y in x.values())
+        return any(holds_dtensor(y, dtensor_type) for y in x.values())
     return False
 
 

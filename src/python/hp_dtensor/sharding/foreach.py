@@ -70,14 +70,6 @@ def local_foreach_args(
     return local_args, specs
 
 
-def holds_dtensor(args: tuple[Any, ...], dtensor_type: Any) -> bool:
-    """Whether a one-entry call has a DTensor argument (one without runs as a plain call)."""
-    return any(
-        isinstance(a, dtensor_type) or (isinstance(a, (list, tuple)) and any(isinstance(x, dtensor_type) for x in a))
-        for a in args
-    )
-
-
 def one_entry_calls(args: tuple[Any, ...], n: int) -> Iterator[tuple[Any, ...]]:
     """The arguments of the element-by-element calls: entry ``i`` of every list, as a list of one."""
     for i in range(n):

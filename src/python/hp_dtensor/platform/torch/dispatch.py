@@ -24,11 +24,12 @@ from hp_dtensor.sharding.dispatch import (
     call_key,
     fill_placeholders,
     flatten_call,
+    holds_dtensor,
     make_cached_call,
     shared_mesh,
     wrap_leaves,
 )
-from hp_dtensor.sharding.foreach import holds_dtensor, list_length, local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.foreach import list_length, local_foreach_args, one_entry_calls
 from hp_dtensor.sharding.interceptors import INTERCEPTORS, intercepting
 from hp_dtensor.sharding.interceptors import OpInterceptor as OpInterceptor  # re-exported
 from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor  # re-exported
