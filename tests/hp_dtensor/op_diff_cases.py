@@ -118,11 +118,16 @@ def ops() -> list[Op]:
         Op("vector_norm_ord1", lambda x: torch.linalg.vector_norm(x, ord=1, dim=0, keepdim=True), (f8,)),
         Op("vector_norm_ord3", lambda x: torch.linalg.vector_norm(x, ord=3), (f8,)),
         Op("foreach_norm", lambda x: torch._foreach_norm([x])[0], (In((4, 8), grad=False),)),
+        # per-tensor reductions and products of the foreach family: not elementwise, no layout kept
+        Op("foreach_max", lambda x: torch._foreach_max([x])[0], (In((4, 8), grad=False),)),
+        Op("foreach_powsum", lambda x: torch._foreach_powsum([x], 3)[0], (In((4, 8), grad=False),)),
+        Op("foreach_mm", lambda a, b: torch._foreach_mm([a], [b])[0], (In((4, 8), grad=False), In((8, 4), grad=False))),
         Op("vector_norm_inf", lambda x: torch.linalg.vector_norm(x, ord=float("inf")), (f8,)),
         Op("logsumexp", lambda x: torch.logsumexp(x, 1), (f8,)),
         # ---- NaN anywhere gives NaN everywhere
         Op("nan_amax", lambda x: x.amax(0), (In((4, 8), "nan"),), tags=("nan",)),
         Op("nan_max_all", lambda x: x.max(), (In((4, 8), "nan"),), tags=("nan",)),
+        Op("nan_foreach_max", lambda x: torch._foreach_max([x])[0], (In((4, 8), "nan", grad=False),), tags=("nan",)),
         Op("nan_amin", lambda x: x.amin(1), (In((4, 8), "nan"),), tags=("nan",)),
         Op("nan_max_dim", lambda x: x.max(1).values, (In((4, 8), "nan"),), tags=("nan",)),
         Op("nan_sum", lambda x: x.sum(0), (In((4, 8), "nan"),), tags=("nan",)),

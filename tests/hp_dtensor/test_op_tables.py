@@ -13,6 +13,7 @@ import torch
 import hp_dtensor.platform.torch  # noqa: F401  (registers the torch kernels)
 from hp_dtensor.placement_types import Replicate
 from hp_dtensor.platform.torch.dispatch import _find_rule
+from hp_dtensor.sharding.foreach import foreach_rule
 from hp_dtensor.sharding.op_call import Decision, OpRules
 from hp_dtensor.sharding.op_tables import ATEN_RULES, FOREACH_RULES, MINDSPORE_RULES
 
@@ -53,6 +54,13 @@ def test_foreach_ops_take_their_base_ops_rule() -> None:
     assert _find_rule(aten._foreach_add_.List) is FOREACH_RULES["add"]
     assert _find_rule(aten._foreach_norm.Scalar) is FOREACH_RULES["norm"]
     assert _find_rule(aten._foreach_sqrt_.default) is FOREACH_RULES["*"]
+    # the per-tensor reductions and products are not elementwise: each tensor gathered
+    for op in (aten._foreach_max.default, aten._foreach_powsum.Scalar, aten._foreach_mm.default):
+        assert _find_rule(op) is FOREACH_RULES["norm"], op
+    # every other foreach op torch has is elementwise, and takes a pointwise rule
+    names = {s.name for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::_foreach_")}
+    bases = {n[len("aten::_foreach_"):].rstrip("_") for n in names} - {"max", "powsum", "mm", "norm"}
+    assert all(getattr(foreach_rule(b), "uneven_pointwise", None) for b in bases), sorted(bases)
 
 
 def test_a_name_listed_twice_is_refused() -> None:

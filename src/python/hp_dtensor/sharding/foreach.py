@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from hp_dtensor.placement_types import Partial
-from hp_dtensor.sharding.op_call import Rule
+from hp_dtensor.placement_types import Partial, Replicate
+from hp_dtensor.sharding.op_call import Decision, OpCall, Rule
 from hp_dtensor.sharding.pointwise import pointwise_family
-from hp_dtensor.sharding.reductions import foreach_norm_rule
 
 
 def list_length(op: Any, args: tuple[Any, ...]) -> int:
@@ -76,10 +75,21 @@ def one_entry_calls(args: tuple[Any, ...], n: int) -> Iterator[tuple[Any, ...]]:
         yield tuple([a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args)
 
 
-# The rule of each foreach op by its base name (``_foreach_add_`` is ``add``), ``*`` for the rest:
-# the one-entry calls a foreach op falls back to are decided by the base op's rule.
+def gathered_rule(call: OpCall) -> Decision:
+    """A foreach op that is not elementwise (``_foreach_norm``, what ``clip_grad_norm_`` issues
+    with foreach=True; ``_foreach_max``, ``_foreach_powsum``, ``_foreach_mm``): each tensor
+    gathered, so the local op on whole tensors is the global one, replicated (correct; these see
+    gradient-sized tensors next to a step, not activations)."""
+    infos = call.tensors()
+    return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
+                    (tuple(Replicate() for _ in infos[0].placements),))
+
+
+# The rule of each foreach op by its base name (``_foreach_add_`` is ``add``): the one-entry calls a
+# foreach op falls back to are decided by it.  Every torch foreach op is elementwise (``*``)
+# except the per-tensor reductions and products gathered here.
 FOREACH_RULES: dict[str, Rule] = {
-    "norm": foreach_norm_rule,
+    **{base: gathered_rule for base in ("norm", "max", "powsum", "mm")},
     **{
         base: pointwise_family(linearity, scalar_once=False)
         for base, linearity in {
@@ -88,3 +98,8 @@ FOREACH_RULES: dict[str, Rule] = {
         }.items()
     },
 }
+
+
+def foreach_rule(base: str) -> Rule:
+    """The rule of the foreach op named ``base`` (``add`` for ``_foreach_add_``)."""
+    return FOREACH_RULES.get(base, FOREACH_RULES["*"])

@@ -159,14 +159,6 @@ def lp_norm_rule(call: OpCall) -> Decision:
     return gathered_reduction_rule(OpCall(call.name, call.mesh_shape, (x,)), dims, bool(attrs.get("keep_dims", False)))
 
 
-def foreach_norm_rule(call: OpCall) -> Decision:
-    """``_foreach_norm`` (clip_grad_norm_ with foreach=True): each tensor gathered, so the local
-    norm is the global one (correct; grads are small next to the step)."""
-    infos = call.tensors()
-    return Decision(tuple(tuple(Replicate() for _ in t.placements) for t in infos),
-                    (tuple(Replicate() for _ in infos[0].placements),))
-
-
 # ---------------------------------------------------------------- the ops these rules cover
 def _over_dims(kind: str) -> Rule:
     """A ``kind`` reduction ``(x, dims, keepdim)``, kept shard by shard on an unevenly sharded

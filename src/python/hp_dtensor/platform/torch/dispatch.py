@@ -29,13 +29,13 @@ from hp_dtensor.sharding.dispatch import (
     shared_mesh,
     wrap_leaves,
 )
-from hp_dtensor.sharding.foreach import list_length, local_foreach_args, one_entry_calls
+from hp_dtensor.sharding.foreach import foreach_rule, list_length, local_foreach_args, one_entry_calls
 from hp_dtensor.sharding.interceptors import INTERCEPTORS, intercepting
 from hp_dtensor.sharding.interceptors import OpInterceptor as OpInterceptor  # re-exported
 from hp_dtensor.sharding.interceptors import pop_interceptor as pop_interceptor  # re-exported
 from hp_dtensor.sharding.interceptors import push_interceptor as push_interceptor  # re-exported
 from hp_dtensor.sharding.op_call import Kernels, Rule, TensorInfo
-from hp_dtensor.sharding.op_tables import ATEN_RULES, FOREACH_RULES
+from hp_dtensor.sharding.op_tables import ATEN_RULES
 from hp_dtensor.sharding.random_ops import ATEN_RANDOM_OPS
 from hp_dtensor.sharding.strides import global_strides
 
@@ -55,11 +55,11 @@ _NO_KEY = object()
 
 def _find_rule(func: Any) -> Rule | None:
     """The rule ``hp_dtensor.sharding`` lists for the op's name (``aten.mm.default``); a foreach
-    op takes its base op's (``FOREACH_RULES``)."""
+    op takes its base op's (``foreach_rule``)."""
     rule = ATEN_RULES.get(str(func))
     if rule is None and func._schema.name.startswith("aten::_foreach_"):
         base = func._schema.name[len("aten::_foreach_") :].rstrip("_")
-        rule = FOREACH_RULES.get(base, FOREACH_RULES.get("*"))
+        rule = foreach_rule(base)
     return rule
 
 
