@@ -214,6 +214,19 @@ def _optimizers(rank: int, world: int, foreach: bool) -> bool:
         assert "got a mix of torch.Tensor (shape (16, 8)) and DTensor arguments" in str(e), e
     else:
         raise AssertionError("a plain tensor beside a DTensor at one foreach position was accepted")
+    # refused at one entry, an in-place foreach op has written no entry (an optimizer or a clip
+    # that raises leaves every tensor as it was)
+    before = [p.detach().clone() for p in model.parameters()]
+    params = [p.detach() for p in model.parameters()]
+    others = [distribute_tensor(torch.ones(p.shape), mesh, [Replicate()]) for p in params[:-1]] + [torch.ones(4)]
+    try:
+        torch._foreach_add_(params, others)
+    except RuntimeError as e:
+        assert "got a mix of torch.Tensor (shape (4,)) and DTensor arguments" in str(e), e
+    else:
+        raise AssertionError("a plain tensor beside a DTensor at the last foreach position was accepted")
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.to_local(), b.to_local()), "a refused foreach op wrote some entries"
     w = next(iter(model.parameters())).detach()
     try:  # lists of unequal length: refused, naming the lengths (torch checks before dispatch)
         torch._foreach_add_([w, w.clone()], [w])

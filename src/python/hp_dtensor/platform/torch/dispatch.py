@@ -184,16 +184,22 @@ def _dispatch_one(
         if out is not NotImplemented:
             return out
     flat, treespec = _flatten(args, kwargs)
-    mesh, has_plain = shared_mesh(
-        func, flat, DTensor, torch.Tensor, "torch.Tensor", _shape,
-        lambda leaf, _: _in_backward() or _is_one_hot_classes(func, args, leaf),
-    )
+    mesh, has_plain = _mesh_of(func, args, flat)
     if has_plain:
         flat = _as_dtensors(flat, mesh)
     if entry is None:
         entry = _decide(func, args, kwargs, flat, treespec, mesh, has_plain)
         _CORE.store(key, entry)
     return _run(func, flat, treespec, mesh, entry, args)
+
+
+def _mesh_of(func: Any, args: tuple[Any, ...], flat: list[Any]) -> tuple[Any, bool]:
+    """The mesh of the call's DTensors and whether a plain tensor joins them; ``RuntimeError``
+    for a plain tensor beside DTensors where it may not join them."""
+    return shared_mesh(
+        func, flat, DTensor, torch.Tensor, "torch.Tensor", _shape,
+        lambda leaf, _: _in_backward() or _is_one_hot_classes(func, args, leaf),
+    )
 
 
 _decomposable: dict[int, bool] = {}
@@ -385,8 +391,13 @@ def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         if _is_inplace(func) or out is None:
             return None
         return [o if spec is None else DTensor(o, spec) for o, spec in zip(out, specs)]
-    results = [_dispatch_one(func, sub, kwargs) if holds_dtensor(sub, DTensor) else func(*sub, **kwargs)
-               for sub in one_entry_calls(args, n)]
+    calls = [(sub, holds_dtensor(sub, DTensor)) for sub in one_entry_calls(args, n)]
+    # An entry refused (a plain tensor beside a DTensor, two meshes) is refused before any entry
+    # runs, so an in-place op that raises leaves every list as it was.
+    for sub, distributed in calls:
+        if distributed:
+            _mesh_of(func, sub, _flatten(sub, kwargs)[0])
+    results = [_dispatch_one(func, sub, kwargs) if distributed else func(*sub, **kwargs) for sub, distributed in calls]
     if _is_inplace(func) or (results and results[0] is None):
         return None
     return [r[0] for r in results]
