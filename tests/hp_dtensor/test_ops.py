@@ -227,6 +227,14 @@ def _optimizers(rank: int, world: int, foreach: bool) -> bool:
         raise AssertionError("a plain tensor beside a DTensor at the last foreach position was accepted")
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.to_local(), b.to_local()), "a refused foreach op wrote some entries"
+    try:  # one scalar per entry in a tensor, where the entries must go one by one: refused, saying what to pass
+        torch._foreach_addcdiv_(params[:2], others[:2], others[:2], torch.tensor([0.5, 2.0]))
+    except NotImplementedError as e:
+        assert "pass the scalars as a list of numbers (scalars.tolist())" in str(e), e
+    else:
+        raise AssertionError("a tensor of scalars for entries of different layouts was accepted")
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.to_local(), b.to_local()), "a refused foreach op wrote some entries"
     w = next(iter(model.parameters())).detach()
     try:  # lists of unequal length: refused, naming the lengths (torch checks before dispatch)
         torch._foreach_add_([w, w.clone()], [w])

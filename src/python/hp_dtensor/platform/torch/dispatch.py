@@ -391,6 +391,14 @@ def _dispatch_foreach(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         if _is_inplace(func) or out is None:
             return None
         return [o if spec is None else DTensor(o, spec) for o, spec in zip(out, specs)]
+    if any(a.name == "scalars" and str(a.type) == "Tensor" for a in func._schema.arguments):
+        # one value per entry in a tensor that entry-by-entry calls cannot split (a DTensor of
+        # them, or lists whose entries do not share one layout)
+        raise NotImplementedError(
+            f"{func}: a tensor of per-entry scalars is supported only when every list entry is a DTensor of "
+            f"one layout (or a plain tensor) and the scalars tensor is plain; pass the scalars as a list of "
+            f"numbers (scalars.tolist()) instead"
+        )
     calls = [(sub, holds_dtensor(sub, DTensor)) for sub in one_entry_calls(args, n)]
     # An entry refused (a plain tensor beside a DTensor, two meshes) is refused before any entry
     # runs, so an in-place op that raises leaves every list as it was.
